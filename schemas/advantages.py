@@ -1,0 +1,48 @@
+"""`advantages`: what the optimiser consumes, besides the rollout tokens.
+
+Alignment: every list column has the same length as the rollout's `response_token_ids`.
+Sequence estimators (grpo, rloo, ...) fill `advantage` and broadcast it into `token_advantages`;
+gae fills `token_advantages`, `returns` and `values`.
+"""
+
+import pyarrow as pa
+
+from rlpipe.schemas.columns import LOGPROBS, ArtifactSchema, Column
+
+ADVANTAGES = ArtifactSchema(
+    name="advantages",
+    version=1,
+    doc="Advantages (and returns, values, reference log-probs, KL) per rollout; same keys as rollouts.",
+    columns=(
+        Column("run", pa.string(), "Run name, as in rollouts."),
+        Column("iteration", pa.int32(), "Iteration, as in rollouts."),
+        Column("prompt_id", pa.string(), "prompt_id, as in rollouts."),
+        Column("group_id", pa.int64(), "group_id, as in rollouts."),
+        Column("sample_index", pa.int32(), "sample_index, as in rollouts."),
+        Column("reward", pa.float32(), "Sequence reward R from the scores artifact (before any KL penalty)."),
+        Column(
+            "advantage",
+            pa.float32(),
+            "Sequence-level advantage A_i (group estimators); null for token-level estimators (gae).",
+            nullable=True,
+        ),
+        Column("token_advantages", LOGPROBS, "Per-token advantage A_t used by the policy loss."),
+        Column("returns", LOGPROBS, "Per-token return R_t = A_t + V_t (gae); null otherwise.", nullable=True),
+        Column("values", LOGPROBS, "Per-token critic values V_t (gae); null otherwise.", nullable=True),
+        Column(
+            "ref_logprobs",
+            LOGPROBS,
+            "Per-token reference log-probs, when a reference model is used; null otherwise.",
+            nullable=True,
+        ),
+        Column(
+            "kl",
+            LOGPROBS,
+            "Per-token KL estimate against the reference (estimator in `estimator_params`); null if none.",
+            nullable=True,
+        ),
+        Column("estimator", pa.string(), "Advantage estimator name (registry key), e.g. 'grpo'."),
+        Column("estimator_params", pa.string(), "JSON object of the estimator's parameters."),
+    ),
+    key=("iteration", "group_id", "sample_index"),
+)

@@ -1,0 +1,142 @@
+"""Typed configs: pydantic v2 models, frozen and strict, loaded from YAML with readable errors.
+
+Every stage has one config model deriving from `StageConfig`. The same model is the CLI config,
+the Prefect flow parameter and what the manifest records; it is never changed at runtime.
+Field docs are attribute docstrings (shown by `--help` and recorded in the schema of the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class StageConfig(BaseModel):
+    """Base of every config: immutable, unknown keys rejected, field docs from docstrings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def resolved(self) -> dict[str, Any]:
+        """JSON-able dict of every field, defaults included: what manifests record."""
+        return self.model_dump(mode="json")
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config could not be loaded; the message names each bad key and what it allows."""
+
+
+def _fields_at(cls: type[BaseModel], loc: Sequence[str | int]) -> list[str] | None:
+    """The field names of the (nested) model at `loc` (the error's location minus its last part)."""
+    model: Any = cls
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = model.model_fields[part].annotation
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return sorted(model.model_fields)
+    return None
+
+
+def _describe(cls: type[BaseModel], err: Mapping[str, Any]) -> str:
+    loc = [p for p in err["loc"]]
+    key = ".".join(str(p) for p in loc) or "<root>"
+    if err["type"] == "extra_forbidden":
+        allowed = _fields_at(cls, loc[:-1])
+        hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+        return f"unknown key {key!r}{hint}"
+    if err["type"] == "missing":
+        return f"missing required key {key!r}"
+    got = err.get("input")
+    return f"key {key!r}: {err['msg']} (got {got!r})"
+
+
+def parse_config(cls: type[C], data: Mapping[str, Any], source: str = "config") -> C:
+    """Validate `data` into `cls`; raises ConfigError listing every problem by key."""
+    try:
+        return cls.model_validate(dict(data))
+    except ValidationError as e:
+        lines = "\n".join(f"  - {_describe(cls, err)}" for err in e.errors())
+        raise ConfigError(f"invalid {cls.__name__} in {source}:\n{lines}") from None
+
+
+def load_yaml(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides; values are parsed as YAML (`3`, `true`, `[1, 2]`)."""
+    out: dict[str, Any] = _deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def load_config(
+    cls: type[C], path: Path | str | None = None, overrides: Sequence[str] = (),
+    base: Mapping[str, Any] | None = None,
+) -> C:
+    """Build a config from `base`, then a YAML file, then `key=value` overrides (later wins)."""
+    data: dict[str, Any] = _deepcopy(base or {})
+    if path is not None:
+        data = _merge(data, load_yaml(path))
+    data = apply_overrides(data, overrides)
+    source = str(path) if path is not None else "overrides"
+    return parse_config(cls, data, source)
+
+
+def _merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) rows for every field, nested models flattened with dots."""
+    rows = []
+    for name, info in cls.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, f"{prefix}{name}."))
+            continue
+        default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
+        type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+        rows.append((f"{prefix}{name}", type_name, default, info.description or ""))
+    return rows

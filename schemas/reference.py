@@ -1,0 +1,33 @@
+"""`reference`: per-token forward passes needed before advantages (reference log-probs, values).
+
+Alignment: both lists have the same length as the rollout's `response_token_ids`.
+"""
+
+import pyarrow as pa
+
+from rlpipe.schemas.columns import LOGPROBS, ArtifactSchema, Column
+
+REFERENCE = ArtifactSchema(
+    name="reference",
+    version=1,
+    doc="Per-token reference-model log-probs and critic values of rollouts; same keys as rollouts.",
+    columns=(
+        Column("run", pa.string(), "Run name, as in rollouts."),
+        Column("iteration", pa.int32(), "Iteration, as in rollouts."),
+        Column("group_id", pa.int64(), "group_id, as in rollouts."),
+        Column("sample_index", pa.int32(), "sample_index, as in rollouts."),
+        Column(
+            "ref_logprobs",
+            LOGPROBS,
+            "log pi_ref(token_t | prefix) under the frozen reference model; null if not computed.",
+            nullable=True,
+        ),
+        Column(
+            "values",
+            LOGPROBS,
+            "Critic value V_t before each response token; null if no critic.",
+            nullable=True,
+        ),
+    ),
+    key=("iteration", "group_id", "sample_index"),
+)

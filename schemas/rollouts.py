@@ -1,0 +1,66 @@
+"""`rollouts`: G sampled responses per prompt, with everything later stages need.
+
+Alignment: `response_token_ids` and `response_logprobs` have the same length T_i (the number of
+generated tokens, EOS included when the response stopped on it). All samples of one group
+(`group_id`) live in the same shard.
+"""
+
+import pyarrow as pa
+
+from rlpipe.schemas.columns import LOGPROBS, TOKEN_IDS, ArtifactSchema, Column
+
+SAMPLING = pa.struct(
+    [
+        pa.field("temperature", pa.float32()),
+        pa.field("top_p", pa.float32()),
+        pa.field("top_k", pa.int32()),
+        pa.field("max_new_tokens", pa.int32()),
+    ]
+)
+
+ROLLOUTS = ArtifactSchema(
+    name="rollouts",
+    version=1,
+    doc="Sampled responses, G per prompt (a group), with behaviour-policy token log-probs.",
+    columns=(
+        Column("run", pa.string(), "Run name the rollouts belong to."),
+        Column("iteration", pa.int32(), "Training iteration that produced the rollouts (0-based)."),
+        Column(
+            "policy_version",
+            pa.int32(),
+            "Number of optimisation rounds applied to the behaviour policy (0 = initial policy).",
+        ),
+        Column("prompt_id", pa.string(), "prompt_id of the prompt in the prompts artifact."),
+        Column(
+            "group_id",
+            pa.int64(),
+            "Index of the prompt within this iteration; the G samples of a prompt share it.",
+        ),
+        Column("sample_index", pa.int32(), "Index of the sample within its group, 0..G-1."),
+        Column("prompt", pa.string(), "Prompt text."),
+        Column("prompt_token_ids", TOKEN_IDS, "Prompt token ids (BOS included if the tokenizer adds it)."),
+        Column(
+            "answer",
+            pa.string(),
+            "Reference answer copied from the prompts artifact, for verifiers; null if none.",
+            nullable=True,
+        ),
+        Column("response", pa.string(), "Decoded response text (special tokens skipped, stop string cut)."),
+        Column(
+            "response_token_ids",
+            TOKEN_IDS,
+            "Generated token ids, T_i of them; includes EOS when generation stopped on it.",
+        ),
+        Column(
+            "response_logprobs",
+            LOGPROBS,
+            "log pi_behaviour(token_t | prefix) of each generated token from raw logits "
+            "(temperature 1, no top-p/top-k processing); same length as response_token_ids. nats.",
+        ),
+        Column("finish_reason", pa.string(), "'stop' (EOS, stop id or stop string) or 'length' (hit max_new_tokens)."),
+        Column("sampling", SAMPLING, "Sampling parameters used for this response."),
+        Column("engine", pa.string(), "Generation engine: 'transformers' or 'vllm'."),
+        Column("seed", pa.int64(), "Seed the group was sampled with (derived from the stage seed and group_id)."),
+    ),
+    key=("iteration", "group_id", "sample_index"),
+)

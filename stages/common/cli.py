@@ -1,0 +1,61 @@
+"""The command line of every stage: `python -m rlpipe.stages.<name> [-c FILE] [key=value ...]`.
+
+Parses and validates the config before importing the stage's heavy modules (torch, transformers),
+so `--help` and config errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rlpipe.schemas.config import ConfigError, StageConfig, describe_fields, load_config
+
+
+def _import(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def stage_main(name: str, config_cls: type[StageConfig], run_ref: str, argv: Sequence[str] | None = None) -> int:
+    """Parse a stage's command line, run it, print where its artifact went; returns an exit code.
+
+    Args:
+        name: stage name (for messages).
+        config_cls: the stage's config model.
+        run_ref: 'module:function' of the stage's `run(config, *, force=False) -> Manifest`.
+    """
+    fields = "\n".join(f"  {k} ({t}, default {d})\n      {doc}" for k, t, d, doc in describe_fields(config_cls))
+    parser = argparse.ArgumentParser(
+        prog=f"rlpipe stage {name}",
+        description=(config_cls.__doc__ or "").strip(),
+        epilog=f"config keys (set in the YAML file or as key=value):\n{fields}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-c", "--config", help="YAML file with the stage's config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)")
+    parser.add_argument("--force", action="store_true", help="recompute even if a cached artifact matches")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(config_cls, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
+        return 0
+    run = _import(run_ref)
+    started = time.perf_counter()
+    manifest = run(config, force=args.force)
+    elapsed = time.perf_counter() - started
+    where = getattr(config, "output", None)
+    rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"
+    print(f"{name}: wrote {where} ({rows}, content {manifest.content_hash[:12]}) in {elapsed:.1f} s")
+    return 0

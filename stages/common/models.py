@@ -1,0 +1,69 @@
+"""Loading Hugging Face checkpoints, with an in-process cache keyed by checkpoint content.
+
+On one machine the local runner keeps models loaded between iterations (DESIGN.md, "files as the
+contract, memory as a cache"): a checkpoint is keyed by the content hash in its `_manifest.json`
+(or, for a directory without one, by its files' names, sizes and mtimes), so loading checkpoint X
+is free when X is already in memory and gives exactly what loading from disk gives.
+
+Cached models are shared: callers must treat them as read-only (eval mode, no optimizer steps).
+A stage that trains copies the weights first (`copy.deepcopy`) or loads with `cache=False`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from rlpipe.schemas.manifest import MANIFEST_NAME
+
+_CACHE: dict[tuple[str, str], tuple[Any, Any]] = {}
+_MAX_ENTRIES = 4
+
+
+def checkpoint_key(path: Path | str) -> str:
+    """Content identity of a checkpoint directory."""
+    path = Path(path)
+    manifest = path / MANIFEST_NAME
+    if manifest.is_file():
+        return json.loads(manifest.read_text())["content_hash"]
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True) -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face directory, fp32, eval mode.
+
+    Args:
+        kind: 'causal' or 'reward' (sequence classification, one label).
+        cache: reuse/keep the loaded model in the in-process cache.
+    """
+    from rlpipe.stages.common.tiny import load_checkpoint
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not cache:
+        return load_checkpoint(path, kind)  # type: ignore[arg-type]
+    key = (checkpoint_key(path), kind)
+    if key not in _CACHE:
+        if len(_CACHE) >= _MAX_ENTRIES:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = load_checkpoint(path, kind)  # type: ignore[arg-type]
+    return _CACHE[key]
+
+
+def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
+    """Record an in-memory model as the content of checkpoint `path` (just saved from it)."""
+    if len(_CACHE) >= _MAX_ENTRIES:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[(checkpoint_key(path), kind)] = (model, tokenizer)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

@@ -1,0 +1,52 @@
+"""Shared fixtures. Tests build tiny models locally; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# Nothing may reach the Hugging Face Hub from a test.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BARE_NAMES = ("stages", "schemas", "pipelines", "flows", "cluster")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_bare_imports():
+    """A bare `import stages` next to `import rlpipe.stages` would load every module twice."""
+    yield
+    loaded = [n for n in BARE_NAMES if n in sys.modules]
+    assert not loaded, f"bare top-level imports found: {loaded}; import rlpipe.<name> instead"
+
+
+ARITH_TEXTS = [f"Q: {a}+{b}= A: {a + b}" for a in range(20) for b in range(20)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from rlpipe.stages.common.tiny import train_tokenizer
+
+    return train_tokenizer(ARITH_TEXTS)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny causal LM checkpoint (Hugging Face format) shared by the session; treat as read-only."""
+    from rlpipe.stages.common.tiny import build_model, save_pretrained
+
+    out = tmp_path_factory.mktemp("policy")
+    return save_pretrained(build_model(tiny_tokenizer, "causal", size="tiny", seed=0), tiny_tokenizer, out)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny sequence-classification (reward) checkpoint shared by the session; read-only."""
+    from rlpipe.stages.common.tiny import build_model, save_pretrained
+
+    out = tmp_path_factory.mktemp("reward")
+    return save_pretrained(build_model(tiny_tokenizer, "reward", size="tiny", seed=0), tiny_tokenizer, out)
