@@ -1,0 +1,110 @@
+"""Teacher-forced forward passes over (prompt, response) token sequences: the one place where
+per-token log-probs, entropies and values of responses are gathered.
+
+Notation: B sequences; sequence b is prompt tokens p_b (length P_b) followed by response tokens
+a_b (length T_b), right-padded to a common length L. The log-prob of response token t is read from
+the logits at position P_b + t - 1 (the position that predicts it):
+
+    logp[b, t] = logits[b, P_b + t - 1, a_{b,t}] - logsumexp(logits[b, P_b + t - 1, :])
+
+Outputs are left-aligned per response, shape (B, T) with T = max_b T_b, and `mask[b, t] = 1` on
+real response tokens. Right padding needs no position ids (pads come after every real token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Prompt+response sequences packed for one forward pass.
+
+    Shapes: input_ids, attention_mask (B, L); positions, mask (B, T); prompt_lens, response_lens (B,).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    """positions[b, t] = P_b + t - 1: where the logits that predict response token t sit."""
+    mask: torch.Tensor
+    """1.0 on real response tokens, 0.0 on padding (float32)."""
+    response_ids: torch.Tensor
+    """Response token ids, left-aligned, padded with 0 (B, T)."""
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
+    """Concatenate each prompt with its response and right-pad to one length."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a prompt has no tokens: the first response token would have no context")
+    B = len(prompts)
+    P = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    T_b = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    L = int((P + T_b).max()) if B else 0
+    T = int(T_b.max()) if B else 0
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    response_ids = torch.zeros((B, T), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        seq = list(p) + list(r)
+        input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[b, : len(seq)] = 1
+        if len(r):
+            response_ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    t = torch.arange(T).unsqueeze(0)
+    mask = (t < T_b.unsqueeze(1)).float()
+    positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
+    return PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b)
+
+
+def gather_positions(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """x[b, positions[b, t]] for a per-position tensor x of shape (B, L); zero where masked."""
+    return x.gather(1, batch.positions) * batch.mask
+
+
+def response_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """log pi(a_t | prefix) of each response token, (B, T); differentiable; 0 where masked.
+
+    Gathers the needed positions before the softmax, so memory is O(B*T*V), not O(B*L*V).
+    """
+    idx = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    picked = logits.gather(1, idx).float()  # (B, T, V)
+    token_logits = picked.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    return (token_logits - torch.logsumexp(picked, dim=-1)) * batch.mask
+
+
+def response_entropy(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """H_t = -sum_a pi(a) log pi(a) at each response position, (B, T); 0 where masked."""
+    idx = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    logp = torch.log_softmax(logits.gather(1, idx).float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1) * batch.mask
+
+
+def unpad(x: torch.Tensor, batch: PackedBatch) -> list[np.ndarray]:
+    """Split a (B, T) tensor into per-sequence float32 arrays of length T_b."""
+    x = x.detach().float().cpu().numpy()
+    return [x[b, : int(n)].astype(np.float32) for b, n in enumerate(batch.response_lens)]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                            pad_id: int, batch_size: int = 32) -> list[np.ndarray]:
+    """Per-token log-probs of each response under `model` (no grad), in input order."""
+    device = next(model.parameters()).device
+    out: list[np.ndarray] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = pack(prompts[i : i + batch_size], responses[i : i + batch_size], pad_id).to(device)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        out.extend(unpad(response_logprobs(logits, batch), batch))
+    return out
