@@ -1,0 +1,150 @@
+"""The demo's synthetic verifiable task: small integer arithmetic, e.g. prompt "23+45=", answer "68".
+
+The format is compact on purpose: the tiny tokenizer (`rlpipe.stages.common.tiny.train_tokenizer`)
+splits digits into single tokens, so "23+45=" is BOS 2 3 + 4 5 = (7 tokens) and the answer "68" is
+two tokens plus EOS. A rule-based verifier checks the response against the `answer` column
+(exact match after stripping whitespace).
+
+Problems are enumerated from the difficulty knobs (operand range, operations), shuffled with the
+seed, and cut into disjoint train / held-out splits, so the held-out accuracy measures
+generalisation to unseen problems of the same distribution.
+
+Usage:
+    task = ArithmeticTask(max_operand=99, ops=("+",))
+    paths = write_task(run_dir / "task", task, n_train=4000, n_heldout=200, seed=0)
+    texts = tokenizer_texts(task)             # for train_tokenizer
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from rlpipe.schemas import PROMPTS, Manifest, write_table_artifact
+
+Op = Literal["+", "-", "*"]
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Difficulty knobs of the arithmetic task.
+
+    Attributes:
+        min_operand: smallest operand (inclusive).
+        max_operand: largest operand (inclusive); 99 gives two-digit problems.
+        ops: operations to draw from: '+', '-' (a >= b, so answers stay non-negative), '*'.
+    """
+
+    min_operand: int = 0
+    max_operand: int = 99
+    ops: tuple[Op, ...] = ("+",)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(f"need 0 <= min_operand <= max_operand, got {self.min_operand}, {self.max_operand}")
+        unknown = [o for o in self.ops if o not in _APPLY]
+        if unknown or not self.ops:
+            raise ValueError(f"ops must be a non-empty subset of {sorted(_APPLY)}, got {self.ops}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: Op
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}{self.op}{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(_APPLY[self.op](self.a, self.b))
+
+    @property
+    def text(self) -> str:
+        """Prompt followed by its answer: one SFT / tokenizer training text."""
+        return self.prompt + self.answer
+
+    @property
+    def prompt_id(self) -> str:
+        return self.prompt.rstrip("=")
+
+
+def all_problems(task: ArithmeticTask) -> list[Problem]:
+    """Every problem the knobs allow, in a fixed order."""
+    operands = range(task.min_operand, task.max_operand + 1)
+    return [
+        Problem(a, op, b)
+        for op in task.ops
+        for a, b in itertools.product(operands, operands)
+        if not (op == "-" and a < b)
+    ]
+
+
+def make_splits(task: ArithmeticTask, n_train: int, n_heldout: int, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint (train, held-out) problem lists, drawn without replacement with `seed`.
+
+    Raises:
+        ValueError: when the knobs allow fewer than n_train + n_heldout distinct problems.
+    """
+    problems = all_problems(task)
+    if n_train + n_heldout > len(problems):
+        raise ValueError(
+            f"{task} has {len(problems)} distinct problems; cannot draw {n_train} train + "
+            f"{n_heldout} held-out (widen the operand range or add ops)"
+        )
+    random.Random(seed).shuffle(problems)
+    return problems[:n_train], problems[n_train : n_train + n_heldout]
+
+
+def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, task: ArithmeticTask,
+                  seed: int) -> Manifest:
+    """Write `problems` as a `prompts` artifact (prompt_id, prompt, answer, metadata JSON)."""
+    meta = {"task": "arithmetic", "split": split, **asdict(task)}
+    return write_table_artifact(
+        path, PROMPTS,
+        {
+            "prompt_id": [p.prompt_id for p in problems],
+            "prompt": [p.prompt for p in problems],
+            "answer": [p.answer for p in problems],
+            "metadata": [json.dumps({**meta, "a": p.a, "op": p.op, "b": p.b}) for p in problems],
+        },
+        stage="task",
+        config={"task": asdict(task), "split": split, "seed": seed, "rows": len(problems)},
+    )
+
+
+def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_heldout: int,
+               seed: int) -> dict[str, Path]:
+    """Write the train and held-out `prompts` artifacts under `out_dir`; returns their paths.
+
+    Returns:
+        {'train': out_dir/'train', 'heldout': out_dir/'heldout'}
+    """
+    out = Path(out_dir)
+    train, heldout = make_splits(task, n_train, n_heldout, seed)
+    paths = {"train": out / "train", "heldout": out / "heldout"}
+    write_prompts(paths["train"], train, split="train", task=task, seed=seed)
+    write_prompts(paths["heldout"], heldout, split="heldout", task=task, seed=seed)
+    return paths
+
+
+def tokenizer_texts(task: ArithmeticTask) -> list[str]:
+    """Texts to train the tokenizer on: every digit and operator of the task, in a fixed order.
+
+    Digits are single tokens anyway; these texts only need to cover the characters, so they are
+    independent of the split (the vocabulary never depends on which problems are held out).
+    """
+    return ["0123456789", "="] + list(task.ops) + [Problem(a, op, a).text for op in task.ops for a in range(10)]
+
+
+def sft_texts(problems: Sequence[Problem]) -> list[str]:
+    """Prompt+answer texts of `problems` (for plain-text SFT or a text corpus)."""
+    return [p.text for p in problems]
