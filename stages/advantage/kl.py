@@ -39,3 +39,84 @@ def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
         return KL_ESTIMATORS[name](logp, ref_logp)
     except KeyError:
         raise ValueError(f"unknown KL estimator {name!r}; known: {sorted(KL_ESTIMATORS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# KL in the reward (PPO style) and the KL coefficient controller
+# ---------------------------------------------------------------------------------------------
+def kl_token_rewards(rewards: torch.Tensor, kl_t: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Token rewards with the KL penalty in the reward (ALGORITHMS.md section 4, PPO style).
+
+    Every response token gets `-beta * kl_t`; the last response token also gets the sequence
+    reward R. Padding gets 0. The sum over a response is `R - beta * sum_t kl_t`, so with
+    R = 0.8, sum_t kl_t = 0.05 and beta = 6 it is 0.5.
+    See Ziegler et al. 2019, https://arxiv.org/abs/1909.08593, and Ouyang et al. 2022,
+    https://arxiv.org/abs/2203.02155 (eq. 2).
+
+    Args:
+        rewards: sequence rewards R.
+        kl_t: per-token KL estimates (k1 for the classic PPO reward), any value on padding.
+        mask: 1.0 on real response tokens (a left-aligned prefix of each row), 0.0 on padding.
+        beta: KL coefficient.
+
+    Returns:
+        The token rewards r_t.
+
+    Shape:
+        rewards: (B,); kl_t, mask and the result: (B, T).
+    """
+    mask = mask.to(kl_t.dtype)
+    token_rewards = -beta * kl_t * mask  # r_t = -beta * kl_t on every real token
+    return token_rewards + last_token_rewards(rewards.to(kl_t.dtype), mask)  # ... + R at t = T_b - 1
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) tensor holding R_b at the last real token of row b and 0 elsewhere (0 for empty rows).
+
+    Shape:
+        rewards: (B,); mask and the result: (B, T).
+    """
+    lengths = mask.sum(-1).long()
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    last = (lengths - 1).clamp(min=0).unsqueeze(-1)
+    return out.scatter(1, last, (rewards * (lengths > 0)).unsqueeze(-1)) if mask.shape[1] else out
+
+
+def fixed_kl_beta(beta: float, kl_value: float, *, target: float | None = None, n_steps: int = 0,
+                  horizon: int = 10000) -> float:
+    """A fixed KL coefficient (the default): returns `beta` unchanged."""
+    return beta
+
+
+def adaptive_kl_beta(beta: float, kl_value: float, *, target: float | None = None, n_steps: int = 0,
+                     horizon: int = 10000) -> float:
+    """One step of the adaptive KL controller of Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593).
+
+        e = clip(KL / KL_target - 1, -0.2, 0.2)
+        beta <- beta * (1 + e * n_steps / horizon)
+
+    Args:
+        beta: current coefficient.
+        kl_value: measured KL of the batch (mean over sequences of the summed per-token KL).
+        target: KL_target (> 0).
+        n_steps: samples (sequences) seen since the last update, usually the batch size.
+        horizon: samples over which beta may change by a factor e.
+    """
+    if target is None or target <= 0:
+        raise ValueError(f"adaptive KL controller needs a target KL > 0, got {target!r}")
+    if horizon <= 0:
+        raise ValueError(f"adaptive KL controller needs horizon > 0, got {horizon!r}")
+    e = min(max(kl_value / target - 1.0, -0.2), 0.2)  # proportional error, clipped
+    return beta * (1.0 + e * n_steps / horizon)
+
+
+KL_CONTROLLERS: dict[str, Callable[..., float]] = {"fixed": fixed_kl_beta, "adaptive": adaptive_kl_beta}
+
+
+def next_kl_beta(controller: str, beta: float, kl_value: float, **kwargs) -> float:
+    """The KL coefficient for the next batch under controller `controller` (fixed | adaptive)."""
+    try:
+        fn = KL_CONTROLLERS[controller]
+    except KeyError:
+        raise ValueError(f"unknown KL controller {controller!r}; known: {sorted(KL_CONTROLLERS)}") from None
+    return fn(beta, kl_value, **kwargs)

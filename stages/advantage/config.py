@@ -1,0 +1,104 @@
+"""Configs of the advantage stage and of the reference forward-pass step (no heavy imports)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from rlpipe.schemas.config import StageConfig
+
+#: The names in `rlpipe.stages.advantage.estimators.ADVANTAGE_ESTIMATORS` (a test keeps them equal).
+EstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gae"]
+
+
+class KLConfig(BaseModel):
+    """KL to the reference model: the per-token estimate recorded, and the penalty in the reward."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    in_reward: bool = False
+    """Put the KL in the reward (PPO style): token reward -beta * kl_t, plus R on the last token.
+    Needs `rollouts` (behaviour log-probs) and `reference` (reference log-probs)."""
+    beta: float = Field(0.05, ge=0, allow_inf_nan=False)
+    """KL coefficient of this batch (the PPO preset's 0.05)."""
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator, of the `kl` column and of the reward penalty (k1 for PPO)."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """'adaptive' (Ziegler et al. 2019) records the next batch's beta in the manifest's
+    `extra.kl_beta_next`; 'fixed' keeps beta."""
+    target: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Target KL per sequence for the adaptive controller."""
+    horizon: int = Field(10000, gt=0)
+    """Horizon (in samples) of the adaptive controller."""
+
+    @model_validator(mode="after")
+    def _target_for_adaptive(self) -> KLConfig:
+        if self.controller == "adaptive" and self.target is None:
+            raise ValueError("kl.controller='adaptive' needs kl.target (the target KL per sequence)")
+        return self
+
+
+class AdvantageConfig(StageConfig):
+    """Advantage stage: scores (+ rollouts, + reference log-probs / critic values) -> advantages."""
+
+    scores: Path
+    """Input scores artifact."""
+    output: Path
+    """Output advantages artifact directory."""
+    rollouts: Path | None = None
+    """Input rollouts artifact (behaviour log-probs); needed for the KL (kl.in_reward, or a
+    reference artifact with reference log-probs)."""
+    reference: Path | None = None
+    """Input reference artifact (reference log-probs and/or critic values); gae needs its values."""
+    estimator: EstimatorName = "grpo"
+    """Advantage estimator (registry name): grpo, dr_grpo, rloo, reinforce_pp_baseline, gae."""
+    std: Literal["sample", "population"] = "sample"
+    """grpo: std of a group with n - 1 ('sample', as TRL and verl) or n ('population')."""
+    scale: Literal["group", "batch", "none"] = "group"
+    """grpo: divide by the group's std, the batch's std, or not at all."""
+    eps: float = Field(1e-6, gt=0, allow_inf_nan=False)
+    """grpo / reinforce_pp_baseline / gae: added to the std before dividing."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """gae: discount gamma."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """gae: GAE lambda."""
+    whiten: bool = True
+    """gae: whiten the advantages over the masked batch (returns stay unwhitened)."""
+    kl: KLConfig = KLConfig()
+    """KL estimate and KL-in-reward settings."""
+    seed: int = 0
+    """Seed (the estimators are deterministic; kept for the common config shape)."""
+
+    @model_validator(mode="after")
+    def _inputs_for_options(self) -> AdvantageConfig:
+        if self.kl.in_reward and (self.rollouts is None or self.reference is None):
+            raise ValueError("kl.in_reward needs both `rollouts` (behaviour log-probs) and `reference`")
+        if self.estimator == "gae" and self.reference is None:
+            raise ValueError("estimator 'gae' needs `reference`: an artifact with critic values")
+        return self
+
+
+class ReferenceConfig(StageConfig):
+    """Reference step: rollouts -> per-token reference log-probs and/or critic values."""
+
+    rollouts: Path
+    """Input rollouts artifact."""
+    output: Path
+    """Output reference artifact directory (one shard per rollouts shard, same index)."""
+    reference_model: Path | None = None
+    """Frozen reference checkpoint (causal LM, Hugging Face format) for `ref_logprobs`."""
+    critic: Path | None = None
+    """Critic checkpoint (token classification, one label) for `values`."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per forward pass."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run the forward passes; 'auto' takes CUDA when available."""
+    seed: int = 0
+    """Seed (forward passes are deterministic; kept for the common config shape)."""
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> ReferenceConfig:
+        if self.reference_model is None and self.critic is None:
+            raise ValueError("set `reference_model` and/or `critic`: there is nothing to compute")
+        return self
