@@ -25,8 +25,8 @@ from rlpipe.schemas.artifact import (
     validate_artifact,
     write_table_artifact,
 )
-from rlpipe.schemas.config import ConfigError, StageConfig, load_config, parse_config
 from rlpipe.schemas.columns import LOGPROBS, TOKEN_IDS, ArtifactSchema, Column, ColumnFamily
+from rlpipe.schemas.config import ConfigError, StageConfig, load_config, parse_config
 from rlpipe.schemas.manifest import MANIFEST_NAME, InputRef, Manifest, cache_key
 from rlpipe.schemas.metrics import METRICS
 from rlpipe.schemas.preferences import PREFERENCES

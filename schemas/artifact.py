@@ -179,7 +179,15 @@ def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence
     problems = _null_problems(table, expected)
     if problems:
         raise SchemaMismatch(path, expected.name, problems)
-    return table
+    return _as_declared(table, expected)
+
+
+def _as_declared(table: pa.Table, expected: ArtifactSchema) -> pa.Table:
+    """Relabel a read table with the declared fields (Parquet names list items 'element', the
+    schema 'item'; docs and schema metadata restored); a metadata-only cast, no data is copied."""
+    target = pa.schema([expected.column(n).field() for n in table.column_names],
+                       metadata=expected.arrow().metadata)
+    return table if table.schema.equals(target, check_metadata=True) else table.cast(target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,34 +511,79 @@ def validate_artifact(path: Path | str, schema: ArtifactSchema | str | None = No
 def run_artifacts(run_dir: Path | str, name: str) -> list[Path]:
     """Complete artifacts named `name` in every iteration of a run, in iteration order."""
     run_dir = Path(run_dir)
-    return [p for p in sorted(run_dir.glob(f"iter_*/{name}")) if exists(p)]
+    iters = [d for d in run_dir.glob("iter_*") if d.name[5:].isdigit()]
+    return [d / name for d in sorted(iters, key=lambda d: int(d.name[5:])) if exists(d / name)]
+
+
+def _run_shards(
+    run_dir: Path | str, name: str, schema: ArtifactSchema | str | None
+) -> list[tuple[Path, list[str], pa.Schema | None]]:
+    """(artifact, its shard paths, the schema of its first shard) per complete iteration artifact,
+    every shard's schema checked."""
+    out = []
+    for art in run_artifacts(run_dir, name):
+        manifest = read_manifest(art)
+        expected = _expect(manifest, art, schema)
+        files, first = [], None
+        for shard in manifest.shard_names:
+            actual = pq.read_schema(art / shard)
+            problems = schema_problems(actual, expected)
+            if problems:
+                raise SchemaMismatch(art / shard, expected.name, problems)
+            files.append(str(art / shard))
+            first = first if first is not None else actual
+        out.append((art, files, first))
+    if not out:
+        raise ArtifactNotFound(f"no complete {name!r} artifact under {run_dir}/iter_*/")
+    return out
 
 
 def run_dataset(run_dir: Path | str, name: str, schema: ArtifactSchema | str | None = None) -> ds.Dataset:
     """All iterations' `name` artifacts as one pyarrow Dataset (schemas checked per shard)."""
     import pyarrow.dataset as ds
 
-    files: list[str] = []
-    expected: ArtifactSchema | None = None
-    for art in run_artifacts(run_dir, name):
-        manifest = read_manifest(art)
-        expected = _expect(manifest, art, schema)
-        for shard in manifest.shard_names:
-            problems = schema_problems(pq.read_schema(art / shard), expected)
-            if problems:
-                raise SchemaMismatch(art / shard, expected.name, problems)
-            files.append(str(art / shard))
-    if expected is None:
-        raise ArtifactNotFound(f"no complete {name!r} artifact under {run_dir}/iter_*/")
+    files = [f for _, shards, _ in _run_shards(run_dir, name, schema) for f in shards]
     return ds.dataset(files, format="parquet")
 
 
-def scan_run(run_dir: Path | str, name: str, schema: ArtifactSchema | str | None = None) -> pl.LazyFrame:
-    """All iterations' `name` artifacts as one Polars LazyFrame (only complete artifacts)."""
+def scan_run(
+    run_dir: Path | str, name: str, schema: ArtifactSchema | str | None = None, *,
+    iteration_column: str | None = None,
+) -> pl.LazyFrame:
+    """All iterations' `name` artifacts as one Polars LazyFrame (only complete artifacts).
+
+    Args:
+        iteration_column: if given, add a column of this name (Int32) holding the N of the
+            `iter_NNNN` directory each row was read from.
+
+    Iterations whose artifacts differ in their optional columns (e.g. other `reward__*`
+    components) are concatenated diagonally: a column missing in one iteration reads as null.
+    """
     import polars as pl
 
-    files = [str(p) for p in run_dataset(run_dir, name, schema).files]
-    return pl.scan_parquet(files)
+    found = _run_shards(run_dir, name, schema)
+    parts = [(art, files, sch) for art, files, sch in found if files]
+    if not parts:  # only empty artifacts: an empty frame of the declared schema
+        expected = _expect(read_manifest(found[0][0]), found[0][0], schema)
+        lf = pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)
+        return lf.with_columns(pl.lit(None, pl.Int32).alias(iteration_column)) if iteration_column else lf
+
+    def scan(art: Path, files: list[str]) -> pl.LazyFrame:
+        lf = pl.scan_parquet(files, glob=False)
+        if iteration_column:
+            lf = lf.with_columns(pl.lit(int(art.parent.name.split("_")[-1]), pl.Int32).alias(iteration_column))
+        return lf
+
+    first = parts[0][2]
+    if not iteration_column and all(_same_schema(sch, first) for _, _, sch in parts):
+        return pl.scan_parquet([f for _, files, _ in parts for f in files], glob=False)
+    return pl.concat([scan(art, files) for art, files, _ in parts], how="diagonal_relaxed")
+
+
+def _same_schema(a: pa.Schema | None, b: pa.Schema | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.names == b.names and all(_same_type(x.type, y.type) for x, y in zip(a, b, strict=True))
 
 
 def scan_artifact(path: Path | str, schema: ArtifactSchema | str | None = None) -> pl.LazyFrame:
@@ -548,4 +601,4 @@ def scan_artifact(path: Path | str, schema: ArtifactSchema | str | None = None) 
         files.append(str(path / name))
     if not files:
         return pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)
-    return pl.scan_parquet(files)
+    return pl.scan_parquet(files, glob=False)

@@ -1,0 +1,160 @@
+"""The `rlpipe` command line: look at schemas and artifacts, check them, run one stage.
+
+    rlpipe schema [NAME]        the artifact schemas, or one schema's documented columns
+    rlpipe validate PATH        check an artifact (manifest, hashes, shard schemas); exit 1 if bad
+    rlpipe inspect PATH         summarise a table artifact, a checkpoint or a whole run directory
+    rlpipe stage NAME [ARGS]    run one stage on saved artifacts (`rlpipe stage NAME --help`)
+
+Each command is one function on the module-level `app`; adding a command is adding a function.
+Start-up stays light: pyarrow, polars and torch are imported inside the commands that use them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="rlpipe",
+    help="RL training for language models as a pipeline of stages exchanging typed Parquet artifacts.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    from rich.text import Text
+
+    _console(stderr=True).print(Text.assemble(("error: ", "bold red"), message))
+    return typer.Exit(code)
+
+
+@app.command()
+def schema(
+    name: Annotated[Optional[str], typer.Argument(help="Schema name; omit to list all schemas.")] = None,  # noqa: UP045
+) -> None:
+    """List the artifact schemas, or print one schema's columns with their documentation."""
+    from rich.table import Table
+
+    from rlpipe.schemas import SCHEMAS
+
+    console = _console()
+    if name is None:
+        table = Table(title="artifact schemas", title_justify="left")
+        for col in ("schema", "version", "columns", "description"):
+            table.add_column(col, overflow="fold")
+        for s in SCHEMAS.values():
+            table.add_row(s.name, str(s.version), str(len(s.columns)), s.doc)
+        console.print(table)
+        return
+    if name not in SCHEMAS:
+        raise _fail(f"unknown schema {name!r}; known schemas: {', '.join(SCHEMAS)}", 2)
+    s = SCHEMAS[name]
+    key = f"; key: {', '.join(s.key)}" if s.key else ""
+    table = Table(title=f"{s.name} (version {s.version}){key}\n{s.doc}", title_justify="left")
+    table.add_column("column", no_wrap=True, style="bold")
+    table.add_column("arrow type", overflow="fold")
+    table.add_column("nullable")
+    table.add_column("description", overflow="fold")
+    for row in s.describe():
+        table.add_row(*row)
+    console.print(table)
+
+
+@app.command()
+def validate(
+    path: Annotated[Path, typer.Argument(help="Artifact directory (the one holding _manifest.json).")],
+    schema_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--schema", "-s", help="Expected schema (default: the one the manifest names).")] = None,
+) -> None:
+    """Check an artifact: manifest, file hashes, stray shards, every shard's schema and nulls.
+
+    Exit code 0 when valid, 1 with the list of problems otherwise.
+    """
+    from rlpipe.schemas import SCHEMAS, read_manifest, validate_artifact
+
+    if schema_name is not None and schema_name not in SCHEMAS:
+        raise _fail(f"unknown schema {schema_name!r}; known schemas: {', '.join(SCHEMAS)}", 2)
+    problems = validate_artifact(path, schema_name)
+    if problems:
+        err = _console(stderr=True)
+        err.print(f"INVALID {path}: {len(problems)} problem(s)", style="bold red")
+        for p in problems:
+            err.print(f"- {p}", markup=False)
+        raise typer.Exit(1)
+    m = read_manifest(path)
+    if m.kind == "table":
+        what = f"table {m.schema_name} v{m.schema_version}, {m.rows} rows in {len(m.shard_names)} shard(s)"
+    else:
+        what = f"checkpoint, {len(m.files)} files"
+    _console().print(f"OK {path}: {what}, stage {m.stage}, content {m.content_hash[:12]}", markup=False)
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A table artifact, a checkpoint artifact or a run directory.")],
+    rows: Annotated[int, typer.Option("--rows", "-n", min=0, help="Sample rows to show (table artifacts).")] = 3,
+    metric: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--metric", "-m", help="Extra metric to show per iteration (run directories); repeatable.")] = None,
+) -> None:
+    """Summarise an artifact (rows, schema, statistics, sample rows) or a run (one row per iteration)."""
+    from rlpipe.pipelines import inspect as insp
+    from rlpipe.schemas import ArtifactError
+
+    try:
+        insp.inspect_path(path, _console(), sample_rows=rows, metrics=metric or ())
+    except (ArtifactError, FileNotFoundError, NotADirectoryError) as e:
+        raise _fail(str(e), 1) from None
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def stage(
+    ctx: typer.Context,
+    name: Annotated[Optional[str], typer.Argument(help="Stage name.")] = None,  # noqa: UP045
+) -> None:
+    """Run one stage on saved artifacts: rlpipe stage NAME [-c FILE] [key=value ...] [--force].
+
+    Everything after NAME goes to the stage's own command line (`rlpipe stage NAME --help`).
+    """
+    from rlpipe.stages import STAGES
+
+    if name is None or name in ("-h", "--help"):
+        console = _console()
+        console.print(ctx.get_help(), markup=False)
+        console.print(f"\nstages: {', '.join(STAGES)}", markup=False)
+        raise typer.Exit(0 if name else 2)
+    if name not in STAGES:
+        raise _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}", 2)
+    module = STAGES[name]
+    try:
+        found = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        found = None
+    if found is None:
+        raise _fail(f"stage {name!r} is not available: its module {module} does not exist (yet)", 2)
+    code = importlib.import_module(module).main(list(ctx.args))
+    raise typer.Exit(int(code or 0))
+
+
+def main() -> None:
+    """Entry point of the installed `rlpipe` script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

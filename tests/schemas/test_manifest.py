@@ -1,0 +1,63 @@
+"""Manifests: what they record, content hashes, cache keys, checkpoint directories."""
+
+import json
+
+from rlpipe.schemas import (
+    MANIFEST_NAME,
+    PROMPTS,
+    cache_key,
+    cached_manifest,
+    commit_directory,
+    read_manifest,
+    validate_artifact,
+    write_table_artifact,
+)
+from rlpipe.schemas.examples import example_table
+
+
+def test_cache_key_equality():
+    cfg = {"seed": 1, "output": "runs/a/iter_0000/rollouts", "sampling": {"temperature": 1.0}}
+    key = cache_key("rollout", cfg, {"prompts": "abc", "policy": "def"})
+    # same stage, config (any key order) and inputs (any order) -> same key
+    assert key == cache_key("rollout", dict(reversed(list(cfg.items()))), {"policy": "def", "prompts": "abc"})
+    assert len(key) == 64 and int(key, 16) >= 0
+    # anything different -> different key
+    assert key != cache_key("score", cfg, {"prompts": "abc", "policy": "def"})
+    assert key != cache_key("rollout", {**cfg, "seed": 2}, {"prompts": "abc", "policy": "def"})
+    assert key != cache_key("rollout", {**cfg, "sampling": {"temperature": 0.5}}, {"prompts": "abc", "policy": "def"})
+    assert key != cache_key("rollout", cfg, {"prompts": "abc", "policy": "xyz"})
+    assert key != cache_key("rollout", cfg, {"prompts": "abc"})
+
+
+def test_manifest_records_provenance_and_cache_hit(tmp_path):
+    out = tmp_path / "prompts"
+    key = cache_key("data", {"n": 5}, {})
+    table = example_table(PROMPTS, 5)
+    m = write_table_artifact(out, PROMPTS, table, stage="data", config={"n": 5}, cache_key=key)
+    on_disk = json.loads((out / MANIFEST_NAME).read_text())
+    assert on_disk["schema_name"] == "prompts" and on_disk["rows"] == 5 and on_disk["stage"] == "data"
+    assert on_disk["config"] == {"n": 5} and on_disk["cache_key"] == key
+    assert {"pyarrow", "pydantic", "python"} <= set(on_disk["library_versions"])
+    assert on_disk["wall_time_s"] >= 0 and on_disk["created_at"]
+    assert read_manifest(out) == m
+    assert cached_manifest(out, key) == m
+    assert cached_manifest(out, cache_key("data", {"n": 6}, {})) is None
+    assert cached_manifest(tmp_path / "nothing", key) is None
+    # same rows -> same content hash, whatever the run; other rows -> another hash
+    again = write_table_artifact(tmp_path / "again", PROMPTS, table, stage="data")
+    assert again.content_hash == m.content_hash
+    other = write_table_artifact(tmp_path / "other", PROMPTS, example_table(PROMPTS, 5, seed=1), stage="data")
+    assert other.content_hash != m.content_hash
+
+
+def test_commit_directory_hashes_every_file(tmp_path):
+    ckpt = tmp_path / "policy"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "sub" / "weights.bin").write_bytes(b"\0" * 10)
+    (ckpt / ".model.bin.123.tmp").write_bytes(b"x")  # a leftover temporary file is not content
+    m = commit_directory(ckpt, stage="optimize", config={"lr": 1e-6})
+    assert m.kind == "checkpoint" and [f.name for f in m.files] == ["config.json", "sub/weights.bin"]
+    assert m.shard_names == [] and validate_artifact(ckpt) == []
+    (ckpt / "sub" / "weights.bin").write_bytes(b"\1" * 10)
+    assert validate_artifact(ckpt) == [f"{ckpt / 'sub' / 'weights.bin'}: content differs from the manifest's sha256 (modified after writing)"]

@@ -1,0 +1,161 @@
+"""Reading validates every shard: errors name the file and the column; validate_artifact finds
+modified and stray shards."""
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlpipe.schemas import (
+    ROLLOUTS,
+    SCORES,
+    ArtifactError,
+    ArtifactNotFound,
+    ArtifactWriter,
+    SchemaMismatch,
+    iter_shards,
+    read_table_artifact,
+    scan_artifact,
+    validate_artifact,
+    write_table_artifact,
+)
+from rlpipe.schemas.examples import example_table
+
+
+@pytest.fixture
+def rollouts(tmp_path):
+    """A valid 2-shard rollouts artifact."""
+    path = tmp_path / "rollouts"
+    write_table_artifact(path, ROLLOUTS, example_table(ROLLOUTS, 8), stage="test",
+                         rows_per_shard=4, shard_by="group_id")
+    assert validate_artifact(path) == []
+    return path
+
+
+def _replace_shard(path, table):
+    """Overwrite shard 1 behind the manifest's back (what a buggy or foreign writer would do)."""
+    pq.write_table(table, path / "part-00001.parquet")
+    return path / "part-00001.parquet"
+
+
+def test_missing_column_names_file_and_column(rollouts):
+    shard = _replace_shard(rollouts, example_table(ROLLOUTS, 4).drop_columns(["response_logprobs"]))
+    with pytest.raises(SchemaMismatch) as e:
+        read_table_artifact(rollouts)
+    assert e.value.path == shard
+    assert str(shard) in str(e.value) and "missing column 'response_logprobs'" in str(e.value)
+    assert e.value.problems == ["missing column 'response_logprobs' (list<item: float>)"]
+    # scan_artifact checks the same before Polars reads anything
+    with pytest.raises(SchemaMismatch, match="response_logprobs"):
+        scan_artifact(rollouts)
+
+
+def test_wrong_type_names_file_and_column(rollouts):
+    table = example_table(ROLLOUTS, 4)
+    i = table.column_names.index("response_token_ids")
+    table = table.set_column(i, pa.field("response_token_ids", pa.list_(pa.int64())),
+                             table.column(i).cast(pa.list_(pa.int64())))
+    shard = _replace_shard(rollouts, table)
+    with pytest.raises(SchemaMismatch) as e:
+        read_table_artifact(rollouts)
+    assert str(shard) in str(e.value)
+    assert e.value.problems == [
+        "column 'response_token_ids': type list<element: int64>, expected list<item: int32>"]
+
+
+def test_unexpected_column_and_nulls_are_reported(rollouts):
+    table = example_table(ROLLOUTS, 4).append_column("junk", pa.array([1, 2, 3, 4]))
+    _replace_shard(rollouts, table)
+    with pytest.raises(SchemaMismatch, match=r"unexpected column 'junk' \(int64\)"):
+        read_table_artifact(rollouts)
+    # a null in a non-nullable column: the file's schema is fine, the values are not
+    table = example_table(ROLLOUTS, 4)
+    i = table.column_names.index("response")
+    nullable = pa.schema([f.with_nullable(True) for f in table.schema])
+    bad = table.cast(nullable).set_column(i, nullable.field(i), pa.array(["a", None, "c", "d"]))
+    shard = _replace_shard(rollouts, bad)
+    with pytest.raises(SchemaMismatch) as e:
+        read_table_artifact(rollouts)
+    assert str(shard) in str(e.value)
+    assert "column 'response' is not nullable but has 1 null(s), first at row 1" in str(e.value)
+
+
+def test_foreign_csv_file(rollouts):
+    shard = rollouts / "part-00001.parquet"
+    shard.write_text("run,iteration\nx,1\n")
+    with pytest.raises(SchemaMismatch) as e:
+        read_table_artifact(rollouts)
+    assert e.value.path == shard and str(shard) in str(e.value)
+    assert "not a readable Parquet file" in str(e.value) and "'rollouts'" in str(e.value)
+    problems = validate_artifact(rollouts)
+    assert any(str(shard) in p and "sha256" in p for p in problems)
+    assert any(str(shard) in p and "not a readable Parquet file" in p for p in problems)
+
+
+def test_shard_of_another_schema(rollouts, tmp_path):
+    write_table_artifact(tmp_path / "scores", SCORES, example_table(SCORES, 4), stage="test")
+    shard = rollouts / "part-00001.parquet"
+    shutil.copy(tmp_path / "scores" / "part-00000.parquet", shard)
+    with pytest.raises(SchemaMismatch) as e:
+        read_table_artifact(rollouts)
+    msg = str(e.value)
+    assert str(shard) in msg
+    assert "file declares schema 'scores', expected 'rollouts'" in msg
+    assert "missing column 'response_token_ids' (list<item: int32>)" in msg
+    assert "unexpected column 'reward' (float)" in msg
+
+
+def test_reading_with_the_wrong_expected_schema(rollouts):
+    with pytest.raises(SchemaMismatch, match="artifact holds 'rollouts' rows, expected 'scores'"):
+        read_table_artifact(rollouts, SCORES)
+    with pytest.raises(ArtifactError, match="unknown schema 'nope'"):
+        read_table_artifact(rollouts, "nope")
+
+
+def test_validate_detects_modified_shard(rollouts):
+    shard = rollouts / "part-00000.parquet"
+    other = example_table(ROLLOUTS, 4, seed=99)  # valid rows, other content
+    pq.write_table(other, shard)
+    problems = validate_artifact(rollouts)
+    assert problems == [f"{shard}: content differs from the manifest's sha256 (modified after writing)"]
+
+
+def test_validate_detects_stray_and_missing_shards(rollouts):
+    shutil.copy(rollouts / "part-00001.parquet", rollouts / "part-00007.parquet")
+    assert validate_artifact(rollouts) == [
+        f"{rollouts}: shards not listed in the manifest: ['part-00007.parquet']"]
+    (rollouts / "part-00007.parquet").unlink()
+    (rollouts / "part-00000.parquet").unlink()
+    assert validate_artifact(rollouts) == [f"{rollouts / 'part-00000.parquet'}: listed in the manifest but missing"]
+
+
+def test_validate_reports_row_count_mismatch(rollouts):
+    pq.write_table(example_table(ROLLOUTS, 3), rollouts / "part-00000.parquet")
+    problems = validate_artifact(rollouts)
+    assert f"{rollouts / 'part-00000.parquet'}: 3 rows, manifest says 4" in problems
+
+
+def test_missing_manifest_means_no_artifact(rollouts, tmp_path):
+    (rollouts / "_manifest.json").unlink()
+    with pytest.raises(ArtifactNotFound, match="no _manifest.json"):
+        read_table_artifact(rollouts)
+    with pytest.raises(ArtifactNotFound, match="does not exist"):
+        list(iter_shards(tmp_path / "nowhere"))
+    assert validate_artifact(rollouts) == [
+        f"artifact {rollouts} has no _manifest.json (incomplete: its stage did not finish)"]
+
+
+def test_writer_rejects_bad_tables(tmp_path):
+    w = ArtifactWriter(tmp_path / "r", ROLLOUTS, stage="test")
+    table = example_table(ROLLOUTS, 4)
+    with pytest.raises(ArtifactError, match=r"missing columns \['seed'\], unexpected columns \['junk'\]"):
+        w.write_shard(table.drop_columns(["seed"]).append_column("junk", pa.array([1, 2, 3, 4])), 0)
+    with pytest.raises(ArtifactError, match="column 'response' cannot be cast from list<item: int64>"):
+        w.write_shard(table.set_column(table.column_names.index("response"), "response",
+                                       pa.array([[1], [2], [3], [4]])), 0)
+    bad = table.to_pydict()
+    bad["response"][2] = None
+    with pytest.raises(SchemaMismatch, match="column 'response' is not nullable but has 1 null"):
+        w.write_shard(bad, 0)
+    assert not list((tmp_path / "r").iterdir())  # nothing was written
