@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from rlpipe.schemas.config import StageConfig
 
 #: The names in `rlpipe.stages.advantage.estimators.ADVANTAGE_ESTIMATORS` (a test keeps them equal).

@@ -40,7 +40,8 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True) ->
     """(model, tokenizer) from a Hugging Face directory, fp32, eval mode.
 
     Args:
-        kind: 'causal' or 'reward' (sequence classification, one label).
+        kind: 'causal', 'reward' (sequence classification, one label) or 'critic' (token
+            classification, one label: a value per position).
         cache: reuse/keep the loaded model in the in-process cache.
     """
     from rlpipe.stages.common.tiny import load_checkpoint

@@ -22,7 +22,7 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "demo": (128, 4, 4, 2, 256),  # ~0.7M: the demo
 }
 
-ModelKind = Literal["causal", "reward"]
+ModelKind = Literal["causal", "reward", "critic"]
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 320):
@@ -115,12 +115,19 @@ def make_tiny_checkpoint(out_dir: Path | str, texts: Iterable[str], kind: ModelK
 def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
     """Load (model, tokenizer) from a Hugging Face directory, fp32, eval mode."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        AutoTokenizer,
+    )
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
-    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    # 'critic': a value-head model (token classification, one label: V at every position).
+    cls = {"causal": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification,
+           "critic": AutoModelForTokenClassification}[kind]
     model = cls.from_pretrained(path, dtype=torch.float32)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

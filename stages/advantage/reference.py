@@ -1,0 +1,117 @@
+"""The reference step: per-token reference log-probs and critic values of saved rollouts.
+
+The one place for the forward passes that come before advantages (ALGORITHMS.md sections 4-5):
+- `ref_logprobs[t] = log pi_ref(a_t | prompt, a_<t)` from a frozen causal LM, through the shared
+  `teacher_forced_logprobs` (so they equal the trainer's log-probs of the same model exactly);
+- `values[t] = V(prompt, a_<t)`: the critic's head output at position P_b + t - 1 (the state
+  before emitting token t), read with `gather_positions`.
+Reads a rollouts artifact and writes a `reference` artifact, one shard per rollouts shard with the
+same index and row order. Models come from the in-process cache (`load_model`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlpipe.schemas import (
+    REFERENCE,
+    ROLLOUTS,
+    ArtifactWriter,
+    InputRef,
+    Manifest,
+    cache_key,
+    cached_manifest,
+    iter_shards,
+    read_manifest,
+)
+from rlpipe.stages.advantage.config import ReferenceConfig
+from rlpipe.stages.advantage.tables import KEY, list_array_from_numpy, shard_index
+from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
+from rlpipe.stages.common.models import checkpoint_key, load_model
+
+COLUMNS = ["run", *KEY, "prompt_token_ids", "response_token_ids"]
+
+
+@torch.no_grad()
+def critic_values(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                  pad_id: int, batch_size: int = 32) -> list[np.ndarray]:
+    """V_t of each response token under a value-head model (no grad), in input order.
+
+    V_t = head(hidden state at P_b + t - 1): the value of the prefix before response token t.
+    """
+    device = next(model.parameters()).device
+    out: list[np.ndarray] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = pack(prompts[i : i + batch_size], responses[i : i + batch_size], pad_id).to(device)
+        head = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, 1)
+        out.extend(unpad(gather_positions(head[..., 0].float(), batch), batch))
+    return out
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _load(path: Path, kind: str, device: torch.device):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_model(path, kind)
+    if next(model.parameters()).device != device:
+        model.to(device)  # the cached model moves too: it stays read-only
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return model, pad_id
+
+
+def run_reference(config: ReferenceConfig, *, force: bool = False) -> Manifest:
+    """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
+    started = time.time()
+    inputs = {"rollouts": read_manifest(config.rollouts).as_input(config.rollouts)}
+    for role, path in (("reference_model", config.reference_model), ("critic", config.critic)):
+        if path is not None:
+            inputs[role] = InputRef(path=str(path), content_hash=checkpoint_key(path))
+    key = cache_key("reference", config.resolved(), {r: i.content_hash for r, i in inputs.items()})
+    if not force and (hit := cached_manifest(config.output, key)) is not None:
+        return hit
+
+    device = _device(config.device)
+    ref = _load(config.reference_model, "causal", device) if config.reference_model else None
+    critic = _load(config.critic, "critic", device) if config.critic else None
+    writer = ArtifactWriter(config.output, REFERENCE, stage="reference", config=config.resolved(),
+                            inputs=inputs, cache_key=key)
+    shards = list(iter_shards(config.rollouts, ROLLOUTS, columns=COLUMNS))
+    rows = tokens = 0
+    for path, table in _progress(shards, "reference"):
+        prompts = table.column("prompt_token_ids").to_pylist()
+        responses = table.column("response_token_ids").to_pylist()
+        out = {name: table.column(name) for name in ("run", *KEY)}
+        out["ref_logprobs"] = (
+            list_array_from_numpy(teacher_forced_logprobs(ref[0], prompts, responses, ref[1], config.batch_size))
+            if ref else [None] * table.num_rows
+        )
+        out["values"] = (
+            list_array_from_numpy(critic_values(critic[0], prompts, responses, critic[1], config.batch_size))
+            if critic else [None] * table.num_rows
+        )
+        writer.write_shard(out, index=shard_index(path))
+        rows += table.num_rows
+        tokens += sum(len(r) for r in responses)
+    extra = {"rows": rows, "response_tokens": tokens, "device": str(device),
+             "ref_logprobs": ref is not None, "values": critic is not None}
+    return writer.commit(extra=extra, wall_time_s=time.time() - started)
+
+
+def _progress(items: list, label: str):
+    """Iterate `items` with a transient progress bar on stderr (silent when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import track
+
+    console = Console(stderr=True)
+    return track(items, description=label, console=console, transient=True, disable=not console.is_terminal)

@@ -1,0 +1,125 @@
+"""The advantage stage: scores (+ rollouts, + reference) -> advantages.
+
+Reads the whole scores artifact (group estimators need every sample of a group; the artifact is
+small), joins behaviour log-probs (rollouts) and reference log-probs / critic values (reference)
+by key, applies the KL penalty to the reward when configured, runs the registered estimator, and
+writes one advantages shard per scores shard with the same index and row order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow as pa
+import torch
+
+from rlpipe.schemas import (
+    ADVANTAGES,
+    REFERENCE,
+    ROLLOUTS,
+    SCORES,
+    ArtifactWriter,
+    Manifest,
+    cache_key,
+    cached_manifest,
+    iter_shards,
+    read_manifest,
+    read_table_artifact,
+)
+from rlpipe.schemas.columns import LOGPROBS
+from rlpipe.stages.advantage.config import AdvantageConfig
+from rlpipe.stages.advantage.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+)
+from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
+from rlpipe.stages.advantage.stats import advantage_summary
+from rlpipe.stages.advantage.tables import KEY, align, length_mask, list_array, padded, shard_index
+
+SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
+
+
+def run(config: AdvantageConfig, *, force: bool = False) -> Manifest:
+    """Compute the advantages artifact of `config`; a cache hit returns the existing manifest."""
+    started = time.time()
+    paths = {"scores": config.scores, "rollouts": config.rollouts, "reference": config.reference}
+    inputs = {role: read_manifest(p).as_input(p) for role, p in paths.items() if p is not None}
+    key = cache_key("advantage", config.resolved(), {r: i.content_hash for r, i in inputs.items()})
+    if not force and (hit := cached_manifest(config.output, key)) is not None:
+        return hit
+
+    # 1. Read: scores shard by shard (their boundaries are the output's), the others joined by key.
+    shards = list(iter_shards(config.scores, SCORES, columns=SCORE_COLUMNS))
+    scores = pa.concat_tables([t for _, t in shards]) if shards else SCORES.arrow().empty_table().select(SCORE_COLUMNS)
+    rewards = torch.tensor(scores.column("reward").to_pylist(), dtype=torch.float64)
+    mask = length_mask(torch.tensor(scores.column("response_length").to_pylist(), dtype=torch.long))
+    pairs = torch.tensor([scores.column(k).to_pylist() for k in ("iteration", "group_id")], dtype=torch.long).T
+    # One id per (iteration, group_id) pair: an artifact may hold several iterations.
+    group_ids = torch.unique(pairs.reshape(-1, 2), dim=0, return_inverse=True)[1] if len(rewards) else pairs[:, 0]
+    behaviour = ref_logp = values = None
+    if config.rollouts is not None:
+        rollouts = align(read_table_artifact(config.rollouts, ROLLOUTS, columns=[*KEY, "response_logprobs"]),
+                         scores, source=config.rollouts)
+        behaviour = padded(rollouts.column("response_logprobs"), mask, what=f"{config.rollouts}: response_logprobs")
+    if config.reference is not None:
+        reference = align(read_table_artifact(config.reference, REFERENCE, columns=[*KEY, "ref_logprobs", "values"]),
+                          scores, source=config.reference)
+        if reference.num_rows and reference.column("ref_logprobs").null_count < reference.num_rows:
+            ref_logp = padded(reference.column("ref_logprobs"), mask, what=f"{config.reference}: ref_logprobs")
+        if reference.num_rows and reference.column("values").null_count < reference.num_rows:
+            values = padded(reference.column("values"), mask, what=f"{config.reference}: values")
+
+    # 2. Per-token KL to the reference, and the rewards the estimator sees.
+    kl_t = kl(config.kl.estimator, behaviour, ref_logp) * mask if behaviour is not None and ref_logp is not None else None
+    if config.kl.in_reward:
+        if kl_t is None:
+            raise ValueError(f"kl.in_reward: {config.reference} holds no reference log-probs (ref_logprobs is null)")
+        token_rewards = kl_token_rewards(rewards, kl_t, mask, config.kl.beta)  # -beta kl_t, + R at the end
+        seq_rewards = token_rewards.sum(-1)  # R - beta * sum_t kl_t
+    else:
+        token_rewards, seq_rewards = last_token_rewards(rewards, mask), rewards
+    if ADVANTAGE_ESTIMATORS[config.estimator].needs_values and values is None:
+        raise ValueError(f"estimator {config.estimator!r}: {config.reference} holds no critic values "
+                         "(run the reference step with `critic=`)")
+
+    # 3. Estimate.
+    knobs = {k: getattr(config, k) for k in ADVANTAGE_ESTIMATORS[config.estimator].knobs}
+    out = compute_advantages(config.estimator, AdvantageInputs(seq_rewards, group_ids, mask, token_rewards, values), **knobs)
+
+    # 4. Write one shard per scores shard, same index and row order.
+    params = json.dumps({**knobs, "kl_estimator": config.kl.estimator, "kl_in_reward": config.kl.in_reward,
+                         "kl_beta": config.kl.beta}, sort_keys=True)
+    columns = {
+        "advantage": pa.array(out.advantages.tolist() if out.advantages is not None else [None] * len(rewards), pa.float32()),
+        "token_advantages": list_array(out.token_advantages, mask),
+        "returns": _list_or_null(out.returns, mask),
+        "values": _list_or_null(values, mask),
+        "ref_logprobs": _list_or_null(ref_logp, mask),
+        "kl": _list_or_null(kl_t, mask),
+    }
+    writer = ArtifactWriter(config.output, ADVANTAGES, stage="advantage", config=config.resolved(),
+                            inputs=inputs, cache_key=key)
+    start = 0
+    for path, table in shards:
+        n = table.num_rows
+        shard = {name: table.column(name) for name in ("run", "iteration", "prompt_id", "group_id", "sample_index")}
+        shard["reward"] = table.column("reward")
+        shard.update({name: col.slice(start, n) for name, col in columns.items()})
+        shard["estimator"] = pa.array([config.estimator] * n, pa.string())
+        shard["estimator_params"] = pa.array([params] * n, pa.string())
+        writer.write_shard(shard, index=shard_index(path))
+        start += n
+
+    extra = advantage_summary(rewards, group_ids, mask, out, kl_t)
+    extra.update(estimator=config.estimator, kl_beta=config.kl.beta)
+    if "kl_seq_mean" in extra:
+        extra["kl_beta_next"] = next_kl_beta(config.kl.controller, config.kl.beta, extra["kl_seq_mean"],
+                                             target=config.kl.target, n_steps=len(rewards),
+                                             horizon=config.kl.horizon)
+    return writer.commit(extra=extra, wall_time_s=time.time() - started)
+
+
+def _list_or_null(x: torch.Tensor | None, mask: torch.Tensor) -> pa.Array:
+    return list_array(x, mask) if x is not None else pa.nulls(mask.shape[0], type=LOGPROBS)

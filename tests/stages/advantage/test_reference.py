@@ -1,0 +1,93 @@
+"""The reference step (reference log-probs, critic values) and the critic builder on the tiny policy."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlpipe.schemas import REFERENCE, iter_shards, read_manifest, validate_artifact
+from rlpipe.stages.advantage.config import ReferenceConfig
+from rlpipe.stages.advantage.critic import build_critic
+from rlpipe.stages.advantage.reference import run_reference
+from rlpipe.stages.advantage.reference_main import main
+from rlpipe.stages.common.forward import teacher_forced_logprobs
+from rlpipe.stages.common.models import load_model
+
+
+@pytest.fixture(scope="module")
+def critic_dir(tmp_path_factory, tiny_policy_dir):
+    out = tmp_path_factory.mktemp("critic")
+    build_critic(tiny_policy_dir, out, head="normal", seed=3)
+    return out
+
+
+@pytest.fixture
+def rollouts_dir(tmp_path, tiny_tokenizer, artifacts):
+    rng = random.Random(0)
+    rows = []
+    for g in range(5):
+        prompt = tiny_tokenizer(f"Q: {g}+{2 * g}= A:")["input_ids"]
+        for s in range(3):
+            n = rng.randint(1, 9)
+            response = [rng.randrange(3, len(tiny_tokenizer)) for _ in range(n)]
+            rows.append(artifacts.rollout(g, s, prompt, response, [-1.0] * n))
+    artifacts.write(tmp_path / "rollouts", artifacts.ROLLOUTS_, rows, rows_per_shard=6)  # shards of 6, 6, 3
+    return tmp_path / "rollouts"
+
+
+def test_reference_logprobs_equal_teacher_forced_and_values_match_unpadded_forward(
+        tmp_path, rollouts_dir, tiny_policy_dir, critic_dir):
+    config = ReferenceConfig(rollouts=rollouts_dir, output=tmp_path / "ref", reference_model=tiny_policy_dir,
+                             critic=critic_dir, batch_size=4, device="cpu")
+    manifest = run_reference(config)
+    assert validate_artifact(tmp_path / "ref") == []
+    assert manifest.shard_names == read_manifest(rollouts_dir).shard_names  # one shard per input shard
+    assert set(manifest.inputs) == {"rollouts", "reference_model", "critic"}
+
+    policy, tok = load_model(tiny_policy_dir, "causal")
+    critic, _ = load_model(critic_dir, "critic")
+    shards = zip(iter_shards(rollouts_dir), iter_shards(tmp_path / "ref", REFERENCE), strict=True)
+    for (_, rollouts), (_, ref) in shards:
+        prompts = rollouts.column("prompt_token_ids").to_pylist()
+        responses = rollouts.column("response_token_ids").to_pylist()
+        assert ref.column("group_id").to_pylist() == rollouts.column("group_id").to_pylist()
+        assert ref.column("sample_index").to_pylist() == rollouts.column("sample_index").to_pylist()
+        expected = teacher_forced_logprobs(policy, prompts, responses, tok.pad_token_id, batch_size=4)
+        for got, want in zip(ref.column("ref_logprobs").to_pylist(), expected, strict=True):
+            assert np.array_equal(np.asarray(got, dtype=np.float32), want)  # exactly
+        # V_t = head output at P + t - 1 of the sequence run alone (no padding at all)
+        for p, r, got in zip(prompts, responses, ref.column("values").to_pylist(), strict=True):
+            with torch.no_grad():
+                head = critic(input_ids=torch.tensor([p + r])).logits[0, :, 0]
+            want = head[len(p) - 1 : len(p) - 1 + len(r)].numpy()
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+            assert np.abs(want).max() > 1e-4  # the normal-initialised head gives non-trivial values
+
+    # Same inputs: a cache hit, then (forced) the same content hash.
+    assert run_reference(config).created_at == manifest.created_at
+    assert run_reference(config, force=True).content_hash == manifest.content_hash
+
+
+def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, rollouts_dir, tiny_policy_dir):
+    manifest = build_critic(tiny_policy_dir, tmp_path / "critic0", head="zero")
+    assert manifest.kind == "checkpoint" and (tmp_path / "critic0" / "_manifest.json").is_file()
+    critic, _ = load_model(tmp_path / "critic0", "critic", cache=False)
+    policy, _ = load_model(tiny_policy_dir, "causal")
+    assert type(critic).__name__ == "LlamaForTokenClassification" and critic.config.num_labels == 1
+    backbone = policy.model.state_dict()
+    for name, tensor in critic.model.state_dict().items():
+        assert torch.equal(tensor, backbone[name]), name
+    # CLI, critic only: every value is exactly 0 and ref_logprobs are null.
+    assert main([f"rollouts={rollouts_dir}", f"output={tmp_path / 'ref'}", f"critic={tmp_path / 'critic0'}",
+                 "device=cpu"]) == 0
+    for _, table in iter_shards(tmp_path / "ref", REFERENCE):
+        assert table.column("ref_logprobs").null_count == table.num_rows
+        assert all(v == 0.0 for row in table.column("values").to_pylist() for v in row)
+
+
+def test_reference_config_needs_a_model(tmp_path):
+    with pytest.raises(ValueError, match="nothing to compute"):
+        ReferenceConfig(rollouts=tmp_path, output=tmp_path)
