@@ -1,0 +1,108 @@
+"""Config of the policy-optimisation stage (DeepSpeed; PPO-clip family, GRPO and PPO)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlpipe.schemas.config import StageConfig
+
+
+class OptimizeConfig(StageConfig):
+    """Optimise the policy (and the PPO critic) on saved rollouts and advantages with DeepSpeed.
+
+    Reads the rollouts (tokens, rollout log-probs) and advantages artifacts joined on
+    (iteration, group_id, sample_index), runs `epochs` passes of shuffled minibatches, and writes the
+    new policy (and critic) as Hugging Face checkpoints plus a `metrics` artifact.
+    The optimizer state is reset every run (a fresh AdamW per iteration): the new checkpoint, the
+    artifacts and this config are all a resumed run needs to reproduce the same result.
+    """
+
+    policy: Path
+    """Policy checkpoint to start from (Hugging Face directory)."""
+    rollouts: Path
+    """`rollouts` artifact: prompt/response token ids and the rollout engine's log-probs."""
+    advantages: Path
+    """`advantages` artifact: per-token advantages (+ returns, values, ref log-probs)."""
+    reference: Path | None = None
+    """Optional `reference` artifact with per-token reference log-probs (used instead of the
+    advantages' `ref_logprobs` column when given)."""
+    critic: Path | None = None
+    """Critic checkpoint (PPO); a causal LM or token-classification checkpoint, loaded as
+    AutoModelForTokenClassification with one label. None: no critic is trained."""
+    output: Path
+    """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
+    critic_output: Path | None = None
+    """Where the new critic checkpoint goes; required when `critic` is set."""
+    metrics_output: Path
+    """Where the `metrics` artifact (one row per step and metric) goes."""
+    run: str = "run"
+    """Run name written into the metrics rows."""
+
+    loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Policy loss (registry key)."""
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower clip range: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = Field(0.2, ge=0.0)
+    """Upper clip range: 1 + eps_high (> eps_low is DAPO's clip-higher, 0.28). GSPO uses ~4e-4."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip constant c > 1 for negative advantages; None disables it."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation over tokens and sequences (denominators are global over ranks and micro-batches)."""
+    max_len: int | None = Field(None, ge=1)
+    """Constant L of seq-mean-token-sum-norm; None: the longest response of the batch."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for KL in the loss (and the logged KL to the reference)."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """beta of `+ beta * agg(k)`; > 0 needs reference log-probs (advantages or `reference`)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """c_H of the entropy bonus `- c_H * agg(H)`."""
+    value_coef: float = Field(0.5, ge=0.0)
+    """c_V: scale of the critic's clipped value loss."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """eps_v of the clipped value loss; None: plain 0.5 (V - R)^2."""
+
+    lr: float = Field(1e-6, gt=0.0)
+    """Policy learning rate (AdamW, constant)."""
+    critic_lr: float = Field(1e-5, gt=0.0)
+    """Critic learning rate (AdamW, constant)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay (policy and critic)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Max global gradient norm; 0 disables clipping."""
+    epochs: int = Field(1, ge=1)
+    """K passes over the batch."""
+    minibatch_size: int | None = Field(None, ge=1)
+    """Rows per optimizer step over all ranks; None: the whole batch (one step per epoch)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Rows per forward/backward pass on one rank (gradient accumulation fills the minibatch)."""
+    shuffle: bool = True
+    """Shuffle rows (seeded) before cutting each epoch into minibatches."""
+    kl_target: float | None = Field(None, gt=0.0)
+    """Early stop: stop optimising once a step's approx KL to the old policy exceeds this."""
+    recompute_old_logprobs: bool = True
+    """Recompute old log-probs with the training model before the first update (so the first
+    ratio is exactly 1); False: use the rollout engine's log-probs."""
+
+    zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage (the template cluster/deepspeed/zero<stage>.json)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: fp32 on CPU, bf16 when CUDA is present."""
+    seed: int = 0
+    """Seeds shuffling and the critic head's init."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizeConfig:
+        if self.critic is not None and self.critic_output is None:
+            raise ValueError("critic is set: set critic_output (where the trained critic goes)")
+        if self.minibatch_size is not None and self.minibatch_size % self.micro_batch_size:
+            raise ValueError(
+                f"minibatch_size {self.minibatch_size} is not a multiple of micro_batch_size {self.micro_batch_size}"
+            )
+        return self

@@ -1,0 +1,137 @@
+"""Reading the optimisation batch: rollouts joined with advantages (and reference log-probs).
+
+Rows are joined on (iteration, group_id, sample_index) and sorted by that key, so every rank sees
+the same rows in the same order and the seeded schedule picks the same rows on any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlpipe.schemas import ADVANTAGES, REFERENCE, ROLLOUTS, read_table_artifact
+
+KEY = ("iteration", "group_id", "sample_index")
+
+
+@dataclass
+class Batch:
+    """All rows of one optimisation batch, in key order. Per-token lists have length T_i."""
+
+    keys: list[tuple[int, int, int]]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logp: list[np.ndarray]
+    advantages: list[np.ndarray]
+    returns: list[np.ndarray] | None
+    values: list[np.ndarray] | None
+    ref_logp: list[np.ndarray] | None
+    reward: np.ndarray
+    group_id: np.ndarray
+    truncated: np.ndarray
+
+    @property
+    def iteration(self) -> int:
+        return int(self.keys[0][0]) if self.keys else 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def lengths(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        rows = range(len(self)) if rows is None else rows
+        return np.array([len(self.response_ids[i]) for i in rows], dtype=np.int64)
+
+
+def _keys(table) -> list[tuple[int, int, int]]:
+    cols = [table.column(k).to_pylist() for k in KEY]
+    return list(zip(*cols, strict=False))
+
+
+def _floats(column, name: str, path: Path, keys, lengths) -> list[np.ndarray]:
+    out = []
+    for i, x in enumerate(column.to_pylist()):
+        arr = np.asarray(x, dtype=np.float32)
+        if len(arr) != lengths[i]:
+            raise ValueError(
+                f"{path}: row {keys[i]} column {name!r} has {len(arr)} values but the response has "
+                f"{lengths[i]} tokens"
+            )
+        out.append(arr)
+    return out
+
+
+def _align(path: Path, keys: list, want: list) -> list[int]:
+    """Row indices of `keys` (another artifact's rows) in the order of `want` (the rollouts)."""
+    where = {k: i for i, k in enumerate(keys)}
+    if len(where) != len(keys):
+        raise ValueError(f"{path}: duplicate keys {KEY}")
+    missing = [k for k in want if k not in where]
+    if missing or len(keys) != len(want):
+        extra = sorted(set(where) - set(want))
+        raise ValueError(
+            f"{path}: rows do not match the rollouts on {KEY}: {len(missing)} missing (first "
+            f"{missing[:3]}), {len(extra)} not in the rollouts (first {extra[:3]})"
+        )
+    return [where[k] for k in want]
+
+
+def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, *,
+               need_ref: bool = False, need_values: bool = False) -> Batch:
+    """Join rollouts, advantages (and reference) into one Batch sorted by key.
+
+    Raises:
+        ValueError: naming the artifact, row and column, when rows do not join, a per-token list
+            has the wrong length, or a needed column (ref log-probs, values, returns) is null.
+    """
+    ro = read_table_artifact(rollouts, ROLLOUTS)
+    adv = read_table_artifact(advantages, ADVANTAGES)
+    ro = ro.take(np.lexsort([np.asarray(ro.column(k)) for k in reversed(KEY)]))
+    keys = _keys(ro)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{rollouts}: duplicate keys {KEY}")
+    adv = adv.take(_align(advantages, _keys(adv), keys))
+    response_ids = ro.column("response_token_ids").to_pylist()
+    lengths = [len(r) for r in response_ids]
+
+    def per_token(table, name: str, path: Path, required: bool) -> list[np.ndarray] | None:
+        col = table.column(name)
+        if col.null_count == len(col) and not required:
+            return None
+        if col.null_count:
+            first = col.is_null().to_pylist().index(True)
+            raise ValueError(f"{path}: column {name!r} is null at row {keys[first]} ({col.null_count} nulls)")
+        return _floats(col, name, path, keys, lengths)
+
+    ref = None
+    if reference is not None:
+        rt = read_table_artifact(reference, REFERENCE)
+        rt = rt.take(_align(reference, _keys(rt), keys))
+        ref = per_token(rt, "ref_logprobs", reference, need_ref)
+    if ref is None:
+        ref = per_token(adv, "ref_logprobs", advantages, need_ref)
+    return Batch(
+        keys=keys,
+        prompt_ids=ro.column("prompt_token_ids").to_pylist(),
+        response_ids=response_ids,
+        rollout_logp=_floats(ro.column("response_logprobs"), "response_logprobs", rollouts, keys, lengths),
+        advantages=_floats(adv.column("token_advantages"), "token_advantages", advantages, keys, lengths),
+        returns=per_token(adv, "returns", advantages, need_values),
+        values=per_token(adv, "values", advantages, need_values),
+        ref_logp=ref,
+        reward=np.asarray(adv.column("reward"), dtype=np.float64),
+        group_id=np.asarray(ro.column("group_id")),
+        truncated=np.asarray(ro.column("finish_reason").to_pylist()) == "length",
+    )
+
+
+def pad_rows(arrays: Sequence[np.ndarray], rows: Sequence[int] | np.ndarray, width: int) -> torch.Tensor:
+    """Stack the per-token arrays of `rows`, left-aligned and zero-padded to `width`: (B, width)."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for b, i in enumerate(rows):
+        a = arrays[i]
+        out[b, : len(a)] = torch.from_numpy(a)
+    return out

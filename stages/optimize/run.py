@@ -1,0 +1,297 @@
+"""The optimisation stage: K epochs of PPO-clip-family updates with DeepSpeed, on saved artifacts.
+
+Reads rollouts + advantages (+ reference log-probs), recomputes the old log-probs with the training
+model (by default), runs seeded shuffled minibatches with gradient accumulation on W ranks, and
+writes the new policy (and critic) checkpoints and a `metrics` artifact. Rank 0 writes; the policy
+checkpoint's manifest is written last, so a complete policy checkpoint means a complete stage.
+
+Optimizer state: a fresh AdamW every run (it is not carried between iterations). The new
+checkpoint, the input artifacts and the config therefore determine a rerun completely: a resumed
+run reproduces the same parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlpipe.schemas import (
+    METRICS,
+    InputRef,
+    Manifest,
+    cache_key,
+    cached_manifest,
+    read_manifest,
+    write_table_artifact,
+)
+from rlpipe.schemas.artifact import commit_directory
+from rlpipe.stages.common.forward import pack
+from rlpipe.stages.common.models import checkpoint_key, load_model, remember
+from rlpipe.stages.optimize.config import OptimizeConfig
+from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, policy_micro_loss, step_slices
+from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
+from rlpipe.stages.optimize.losses import (
+    agg_loss,
+    clipped_value_loss,
+    explained_variance,
+    value_moments,
+)
+
+STAGE = "optimize"
+
+
+def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
+    """Run the stage; returns the new policy checkpoint's manifest (on every rank)."""
+    started = time.time()
+    inputs = _inputs(config)
+    key = cache_key(STAGE, config.resolved(), {role: ref.content_hash for role, ref in inputs.items()})
+    if not force and _cached(config, key):
+        return read_manifest(config.output)
+
+    from rlpipe.stages.optimize import engine as E
+
+    d = E.ensure_process_group()
+    batch = load_batch(config.rollouts, config.advantages, config.reference,
+                       need_ref=config.kl_beta > 0, need_values=config.critic is not None)
+    n = len(batch)
+    minibatch = config.minibatch_size or n
+    schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
+                             config.micro_batch_size) for e in range(config.epochs)]
+    grad_accum = minibatch // (d.world_size * config.micro_batch_size)
+    max_len = config.max_len or int(batch.lengths().max())
+    dscfg = E.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
+                        world_size=d.world_size, grad_clip=config.grad_clip, bf16=E.use_bf16(config.dtype))
+
+    # Trainable copies: never train a model from the shared in-process cache.
+    policy, tokenizer = load_model(config.policy, cache=False)
+    pol = E.make_engine(policy, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas,
+                        config=dscfg, gradient_checkpointing=config.gradient_checkpointing)
+    crit = None
+    if config.critic is not None:
+        crit = E.make_engine(_load_critic(config.critic, config.seed), lr=config.critic_lr,
+                             weight_decay=config.weight_decay, betas=config.betas, config=dscfg,
+                             gradient_checkpointing=config.gradient_checkpointing)
+    pad_id = tokenizer.pad_token_id
+
+    # Old log-probs: recomputed with the training engine on exactly the micro-batches of epoch 0
+    # (same packing, no dropout), so the first step's ratio is exactly 1.
+    if config.recompute_old_logprobs:
+        old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0], pad_id, d.world_size)
+    else:
+        old_logp = dict(enumerate(batch.rollout_logp))
+    rows = _batch_metrics(batch, old_logp, config.recompute_old_logprobs)
+
+    obj = PolicyObjective(loss=config.loss, eps_low=config.eps_low, eps_high=config.eps_high,
+                          dual_clip=config.dual_clip, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
+                          kl_beta=config.kl_beta, entropy_coef=config.entropy_coef)
+    step, stopped = 0, False
+    total_steps = sum(len(s) for s in schedules)
+    with _progress(d.rank == 0, total_steps) as advance:
+        for epoch, steps in enumerate(schedules):
+            for micro_batches in steps:
+                step += 1
+                stats = _train_step(E, pol, crit, batch, micro_batches, old_logp, obj, config, pad_id, max_len)
+                stats["epoch"] = float(epoch)
+                rows += [(step, name, value) for name, value in sorted(stats.items())]
+                advance()
+                if config.kl_target is not None and stats["approx_kl"] > config.kl_target:
+                    stopped = True
+                    break
+            if stopped:
+                break
+    rows.append((0, "steps", float(step)))
+    rows.append((0, "early_stopped", float(stopped)))
+
+    manifest = _save(E, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started)
+    pol.destroy()
+    if crit is not None:
+        crit.destroy()
+    return manifest
+
+
+def _inputs(config: OptimizeConfig) -> dict[str, InputRef]:
+    def checkpoint(path: Path) -> InputRef:
+        return InputRef(path=str(path), content_hash=checkpoint_key(path))
+
+    refs = {"policy": checkpoint(config.policy),
+            "rollouts": read_manifest(config.rollouts).as_input(config.rollouts),
+            "advantages": read_manifest(config.advantages).as_input(config.advantages)}
+    if config.reference is not None:
+        refs["reference"] = read_manifest(config.reference).as_input(config.reference)
+    if config.critic is not None:
+        refs["critic"] = checkpoint(config.critic)
+    return refs
+
+
+def _cached(config: OptimizeConfig, key: str) -> bool:
+    outs = [config.output, config.metrics_output] + ([config.critic_output] if config.critic else [])
+    return all(cached_manifest(p, key) is not None for p in outs)
+
+
+def _load_critic(path: Path, seed: int) -> torch.nn.Module:
+    """A token-classification value model (one label); a new head is initialised from `seed`."""
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized score head" report is expected here
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    hf_logging.set_verbosity(verbosity)
+    return model
+
+
+def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_id: int,
+                            world_size: int) -> dict[int, np.ndarray]:
+    local: dict[int, np.ndarray] = {}
+    with torch.no_grad():
+        for micro_batches in steps:
+            for rows in micro_batches:
+                packed = _pack(E, batch, rows, pad_id)
+                logp = E.policy_forward(engine, packed, entropy_grad=False)[0].float().cpu().numpy()
+                for b, i in enumerate(rows):
+                    local[int(i)] = logp[b, : len(batch.response_ids[i])].copy()
+    return E.gather_rows(local, world_size)
+
+
+def _pack(E: Any, batch: Batch, rows: np.ndarray, pad_id: int):
+    packed = pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad_id)
+    return packed.to(E.device())
+
+
+def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[np.ndarray],
+                old_logp: dict[int, np.ndarray], obj: PolicyObjective, config: OptimizeConfig,
+                pad_id: int, max_len: int) -> dict[str, float]:
+    """One optimizer step of the policy (and critic) over this rank's micro-batches."""
+    dev = E.device()
+    lengths = batch.lengths(np.concatenate(micro_batches))
+    # The step's global token and sequence counts, all-reduced before any backward pass: every
+    # micro-batch's loss is divided by them, so the step's gradient is split-invariant.
+    counts = E.all_reduce(torch.tensor([lengths.sum(), (lengths > 0).sum()], dtype=torch.float64, device=dev))
+    n_tok, n_seq = float(counts[0]), float(counts[1])
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=dev))
+    lo = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+    hi = torch.tensor(float("-inf"), dtype=torch.float64, device=dev)
+    moments = torch.zeros(5, dtype=torch.float64, device=dev)
+    world = torch.distributed.get_world_size()
+    norms: dict[str, float | None] = {}
+    for rows in micro_batches:
+        packed = _pack(E, batch, rows, pad_id)
+        T = packed.mask.shape[1]
+        logp, entropy = E.policy_forward(pol, packed, entropy_grad=obj.entropy_coef > 0)
+        old = pad_rows(old_logp, rows, T).to(dev)
+        ref = pad_rows(batch.ref_logp, rows, T).to(dev) if batch.ref_logp is not None else None
+        loss, stats = policy_micro_loss(obj, logp, old, pad_rows(batch.advantages, rows, T).to(dev), packed.mask,
+                                        token_count=n_tok, seq_count=n_seq, max_len=max_len, ref_logp=ref,
+                                        entropy=entropy)
+        E.backward_step(pol, loss, world)
+        norms["grad_norm"] = E.optimizer_step(pol)
+        sums["loss"] += loss.detach().double()
+        for name, value in stats.items():
+            sums[name] += value.double()
+        ratio = torch.exp(logp.detach() - old).double()
+        on = packed.mask > 0
+        lo = torch.minimum(lo, torch.where(on, ratio, torch.inf).min())
+        hi = torch.maximum(hi, torch.where(on, ratio, -torch.inf).max())
+        if crit is not None:
+            values = E.critic_values(crit, packed)
+            returns = pad_rows(batch.returns, rows, T).to(dev)
+            vl = clipped_value_loss(values, pad_rows(batch.values, rows, T).to(dev), returns, packed.mask,
+                                    clip_eps=config.value_clip)
+            vloss = agg_loss(vl.loss_mat, packed.mask, "token-mean", global_token_count=n_tok)
+            E.backward_step(crit, config.value_coef * vloss, world)
+            norms["critic_grad_norm"] = E.optimizer_step(crit)
+            sums["value_loss"] += vloss.detach().double()
+            sums["value_clip_fraction"] += agg_loss(vl.clipped, packed.mask, "token-mean", global_token_count=n_tok).double()
+            moments += value_moments(values, returns, packed.mask)
+    names = sorted(sums)
+    totals = E.all_reduce(torch.stack([sums[k] for k in names]))
+    out = {k: float(v) for k, v in zip(names, totals, strict=False)}
+    out["ratio_min"], out["ratio_max"] = float(E.all_reduce(lo, "min")), float(E.all_reduce(hi, "max"))
+    out.update({k: float(v) for k, v in norms.items() if v is not None})
+    out["lr"] = float(pol.optimizer.param_groups[0]["lr"])
+    out["tokens"] = n_tok
+    if crit is not None:
+        out["explained_variance"] = explained_variance(E.all_reduce(moments))
+    return out
+
+
+def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bool) -> list[tuple[int, str, float]]:
+    """Once-per-stage metrics (step 0): lengths, rewards, truncation, zero-variance groups, log-prob gap."""
+    lengths = batch.lengths()
+    groups: dict[int, list[float]] = defaultdict(list)
+    for g, r in zip(batch.group_id.tolist(), batch.reward.tolist(), strict=False):
+        groups[g].append(r)
+    rows = [
+        (0, "rows", float(len(batch))),
+        (0, "response_length_mean", float(lengths.mean())),
+        (0, "response_length_max", float(lengths.max())),
+        (0, "reward_mean", float(batch.reward.mean())),
+        (0, "reward_std", float(batch.reward.std())),
+        (0, "truncated_fraction", float(batch.truncated.mean())),
+        (0, "zero_variance_group_fraction", float(np.mean([max(v) == min(v) for v in groups.values()]))),
+    ]
+    if recomputed:
+        # rollout engine vs trainer log-probs of the same tokens (numerics, sampling processing)
+        gap = np.concatenate([np.abs(batch.rollout_logp[i] - old_logp[i]) for i in range(len(batch))])
+        rows += [(0, "logprob_gap_mean_abs", float(gap.mean()) if gap.size else 0.0),
+                 (0, "logprob_gap_max_abs", float(gap.max()) if gap.size else 0.0)]
+    return rows
+
+
+def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
+          rows: list[tuple[int, str, float]], pol: Any, crit: Any, tokenizer: Any, rank: int,
+          started: float) -> Manifest:
+    """Rank 0 writes metrics, then the critic, then the policy (its manifest last)."""
+    resolved = config.resolved()
+    if rank == 0:
+        table = {"run": [config.run] * len(rows), "iteration": [batch.iteration] * len(rows),
+                 "stage": [STAGE] * len(rows), "step": [r[0] for r in rows], "name": [r[1] for r in rows],
+                 "value": [r[2] for r in rows]}
+        write_table_artifact(config.metrics_output, METRICS, table, stage=STAGE, config=resolved,
+                             inputs=inputs, cache_key=key)
+    summary = {name: value for step, name, value in rows if step == max(r[0] for r in rows) or step == 0}
+    for engine, out, kind in ((crit, config.critic_output, "value"), (pol, config.output, "causal")):
+        if engine is None:
+            continue
+        out = Path(out)
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "_manifest.json").unlink(missing_ok=True)
+        copy = E.save_module(engine, tokenizer, out, rank)
+        if rank == 0:
+            commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
+                             extra={"metrics": summary, "kind": kind}, wall_time_s=time.time() - started)
+            remember(out, kind, copy, tokenizer)
+    torch.distributed.barrier()
+    return read_manifest(config.output)
+
+
+class _progress:
+    """A rich progress bar over optimizer steps on rank 0 (stderr); silent elsewhere."""
+
+    def __init__(self, show: bool, total: int):
+        self.show, self.total, self.bar = show, total, None
+
+    def __enter__(self):
+        if not self.show:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self.bar = Progress(console=Console(stderr=True), transient=True)
+        self.bar.start()
+        task = self.bar.add_task("optimize", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False

@@ -1,0 +1,55 @@
+"""Synthetic rollouts + advantages artifacts for the optimisation stage (no other stage needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int = 4, seed: int = 0,
+                    with_values: bool = False, with_ref: bool = False, iteration: int = 0) -> dict[str, Path]:
+    """rollouts/ and advantages/ under `root`: responses of 2-7 random tokens; advantage +1 for even
+    sample_index, -1 for odd (broadcast over tokens); reward = advantage."""
+    from rlpipe.schemas import ADVANTAGES, ROLLOUTS, write_table_artifact
+
+    rng = np.random.default_rng(seed)
+    vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+    ro: dict[str, list] = {c: [] for c in ROLLOUTS.column_names}
+    adv: dict[str, list] = {c: [] for c in ADVANTAGES.column_names}
+    for g in range(groups):
+        prompt = f"Q: {g}+{g + 1}= A:"
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        for s in range(group_size):
+            n = int(rng.integers(2, 8))
+            resp = [int(x) for x in rng.choice(vocab, size=n)]
+            a = 1.0 if s % 2 == 0 else -1.0
+            for k, v in dict(run="t", iteration=iteration, policy_version=0, prompt_id=f"p{g}", group_id=g,
+                             sample_index=s, prompt=prompt, prompt_token_ids=prompt_ids, answer=None,
+                             response=tokenizer.decode(resp), response_token_ids=resp,
+                             response_logprobs=(-rng.random(n) * 5).tolist(),
+                             finish_reason="length" if n == 7 else "stop",
+                             sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=7),
+                             engine="transformers", seed=seed).items():
+                ro[k].append(v)
+            for k, v in dict(run="t", iteration=iteration, prompt_id=f"p{g}", group_id=g, sample_index=s,
+                             reward=a, advantage=a, token_advantages=[a] * n,
+                             returns=[a] * n if with_values else None,
+                             values=[0.0] * n if with_values else None,
+                             ref_logprobs=(-rng.random(n) * 5).tolist() if with_ref else None,
+                             kl=None, estimator="synthetic", estimator_params=json.dumps({})).items():
+                adv[k].append(v)
+    out = {"rollouts": root / "rollouts", "advantages": root / "advantages"}
+    write_table_artifact(out["rollouts"], ROLLOUTS, ro, stage="test", shard_by="group_id", rows_per_shard=8)
+    # advantages in a different row order: the stage must join on the key, not rely on order
+    order = list(reversed(range(len(adv["group_id"]))))
+    write_table_artifact(out["advantages"], ADVANTAGES, {k: [v[i] for i in order] for k, v in adv.items()},
+                         stage="test")
+    return out
+
+
+@pytest.fixture
+def artifacts(tmp_path, tiny_tokenizer):
+    return build_artifacts(tmp_path, tiny_tokenizer)
