@@ -1,6 +1,8 @@
 """`reference`: per-token forward passes needed before advantages (reference log-probs, values).
 
 Alignment: both lists have the same length as the rollout's `response_token_ids`.
+Shards: one per rollouts shard, same index and row order. Written by the `reference` step
+(`rlpipe.stages.advantage.reference`).
 """
 
 import pyarrow as pa
@@ -19,13 +21,15 @@ REFERENCE = ArtifactSchema(
         Column(
             "ref_logprobs",
             LOGPROBS,
-            "log pi_ref(token_t | prefix) under the frozen reference model; null if not computed.",
+            "log pi_ref(token_t | prefix) under the frozen reference model (the shared teacher-forced "
+            "forward pass); null if not computed.",
             nullable=True,
         ),
         Column(
             "values",
             LOGPROBS,
-            "Critic value V_t before each response token; null if no critic.",
+            "Critic value V_t of the prefix before response token t (value head at position "
+            "P + t - 1); null if no critic.",
             nullable=True,
         ),
     ),

@@ -19,15 +19,13 @@ class KLConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     in_reward: bool = False
-    """Put the KL in the reward (PPO style): token reward -beta * kl_t, plus R on the last token.
-    Needs `rollouts` (behaviour log-probs) and `reference` (reference log-probs)."""
+    """PPO style: token reward -beta * kl_t, plus R on the last token (needs rollouts + reference)."""
     beta: float = Field(0.05, ge=0, allow_inf_nan=False)
     """KL coefficient of this batch (the PPO preset's 0.05)."""
     estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator, of the `kl` column and of the reward penalty (k1 for PPO)."""
     controller: Literal["fixed", "adaptive"] = "fixed"
-    """'adaptive' (Ziegler et al. 2019) records the next batch's beta in the manifest's
-    `extra.kl_beta_next`; 'fixed' keeps beta."""
+    """'fixed' keeps beta; 'adaptive' (Ziegler et al. 2019) puts the next beta in extra.kl_beta_next."""
     target: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Target KL per sequence for the adaptive controller."""
     horizon: int = Field(10000, gt=0)
@@ -48,8 +46,7 @@ class AdvantageConfig(StageConfig):
     output: Path
     """Output advantages artifact directory."""
     rollouts: Path | None = None
-    """Input rollouts artifact (behaviour log-probs); needed for the KL (kl.in_reward, or a
-    reference artifact with reference log-probs)."""
+    """Input rollouts artifact (behaviour log-probs); needed for any KL (kl.in_reward, kl column)."""
     reference: Path | None = None
     """Input reference artifact (reference log-probs and/or critic values); gae needs its values."""
     estimator: EstimatorName = "grpo"
