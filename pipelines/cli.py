@@ -31,7 +31,7 @@ app = typer.Typer(
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def _fail(message: str, code: int) -> typer.Exit:

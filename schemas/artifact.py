@@ -263,11 +263,16 @@ class ArtifactWriter:
         problems = _null_problems(table, self.schema)
         if problems:
             raise SchemaMismatch(self.path / name, self.schema.name, problems)
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression=self.compression)
-        buf = sink.getvalue()
-        atomic_write_bytes(self.path / name, buf)
-        info = FileInfo(name=name, bytes=buf.size, sha256=hashlib.sha256(buf).hexdigest(), rows=table.num_rows)
+        # Straight into the hidden temporary file, hashed from the page cache, then renamed:
+        # ~10% faster than encoding into a memory buffer first (benchmarks/bench_artifacts.py).
+        final = self.path / name
+        tmp = _tmp_path(final)
+        try:
+            pq.write_table(table, tmp, compression=self.compression)
+            info = FileInfo(name=name, bytes=tmp.stat().st_size, sha256=_sha256_file(tmp), rows=table.num_rows)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
         self._written[name] = info
         return info
 

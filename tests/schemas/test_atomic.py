@@ -20,37 +20,30 @@ from rlpipe.schemas import (
 from rlpipe.schemas.artifact import _tmp_path, atomic_write_bytes
 from rlpipe.schemas.examples import example_table
 
-# Writes 4 shards of 8 rows. Shard 0 is written normally; while writing shard 1 the file write
-# stalls half way (the bytes so far flushed to the temporary file), signals the test and sleeps,
-# so the SIGKILL lands exactly in the middle of a shard.
+# Writes 4 shards of 8 rows. Shard 0 is written normally; while writing shard 1 the Parquet
+# writer stalls half way (half the file's bytes written to the path it was given), signals the
+# test and sleeps, so the SIGKILL lands exactly in the middle of a shard.
 WRITER = textwrap.dedent("""
-    import builtins, sys, time
+    import io, sys, time
     from pathlib import Path
-    import rlpipe.schemas.artifact as artifact
+    import pyarrow.parquet as pq
     from rlpipe.schemas import ROLLOUTS, ArtifactWriter
     from rlpipe.schemas.examples import example_table
 
     out, signal_file = Path(sys.argv[1]), Path(sys.argv[2])
+    real_write_table = pq.write_table
 
-    class Stalling:
-        def __init__(self, f):
-            self.f = f
-        def __enter__(self):
-            return self
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-        def write(self, data):
-            data = memoryview(data)
-            self.f.write(data[: len(data) // 2])
-            self.f.flush()
-            signal_file.write_text(self.f.name)
-            time.sleep(600)
+    def stalling_write_table(table, where, **kw):
+        if "part-00001" not in str(where):
+            return real_write_table(table, where, **kw)
+        buf = io.BytesIO()
+        real_write_table(table, buf, **kw)
+        with open(where, "wb") as f:
+            f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        signal_file.write_text(str(where))
+        time.sleep(600)
 
-    def stalling_open(path, mode="r", *args, **kw):
-        f = builtins.open(path, mode, *args, **kw)
-        return Stalling(f) if Path(path).name.startswith(".part-00001") else f
-
-    artifact.open = stalling_open   # shadows the builtin inside the artifact module only
+    pq.write_table = stalling_write_table
     writer = ArtifactWriter(out, ROLLOUTS, stage="test")
     for i in range(4):
         writer.write_shard(example_table(ROLLOUTS, 8, seed=i), index=i)
