@@ -68,3 +68,25 @@ def build_critic(policy: Path | str, output: Path | str, *, head: HeadInit = "ze
         inputs={"policy": InputRef(path=str(policy), content_hash=checkpoint_key(policy))},
         wall_time_s=time.time() - started,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rlpipe.stages.advantage.critic POLICY OUTPUT [--head zero|normal] [--seed N]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m rlpipe.stages.advantage.critic",
+                                     description="Build a critic checkpoint from a policy checkpoint.")
+    parser.add_argument("policy", type=Path, help="policy checkpoint directory (Hugging Face format)")
+    parser.add_argument("output", type=Path, help="where to save the critic")
+    parser.add_argument("--head", choices=["zero", "normal"], default="zero", help="value-head initialisation")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the head initialisation")
+    args = parser.parse_args(argv)
+    manifest = build_critic(args.policy, args.output, head=args.head, seed=args.seed)
+    print(f"critic: wrote {args.output} ({len(manifest.files)} files, content {manifest.content_hash[:12]})")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

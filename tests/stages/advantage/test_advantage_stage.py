@@ -167,3 +167,21 @@ def test_errors_name_the_problem(tmp_path, artifacts):
     artifacts.write(tmp_path / "wrong", artifacts.ROLLOUTS_, wrong)
     with pytest.raises(ValueError, match="response_logprobs: row 4 has 3 values, expected 2"):
         run(AdvantageConfig(**{**base, "rollouts": tmp_path / "wrong"}))
+
+
+def test_groups_are_per_iteration_and_token_level_estimators_leave_advantage_null(tmp_path, artifacts):
+    # group_id 0 in two iterations: two groups, not one of four.
+    rows = [artifacts.score(0, 0, 2, 1.0, iteration=0), artifacts.score(0, 1, 1, 0.0, iteration=0),
+            artifacts.score(0, 0, 3, 5.0, iteration=1), artifacts.score(0, 1, 1, 3.0, iteration=1)]
+    artifacts.write(tmp_path / "scores", artifacts.SCORES_, rows)
+    manifest = run(AdvantageConfig(scores=tmp_path / "scores", output=tmp_path / "adv", estimator="dr_grpo"))
+    assert manifest.extra["groups"] == 2
+    assert [r["advantage"] for r in read_table_artifact(tmp_path / "adv").to_pylist()] == [0.5, -0.5, 1.0, -1.0]
+
+    run(AdvantageConfig(scores=tmp_path / "scores", output=tmp_path / "adv", estimator="reinforce_pp_baseline"))
+    table = read_table_artifact(tmp_path / "adv").to_pylist()
+    # centred [0.5, -0.5, 1, -1] on 2, 1, 3, 1 tokens; whitened over those 7 tokens
+    tokens = [0.5, 0.5, -0.5, 1.0, 1.0, 1.0, -1.0]
+    mu, sd = sum(tokens) / 7, math.sqrt(sum((x - sum(tokens) / 7) ** 2 for x in tokens) / 6)
+    assert [r["advantage"] for r in table] == [None] * 4
+    assert [x for r in table for x in r["token_advantages"]] == pytest.approx([(x - mu) / sd for x in tokens], abs=1e-5)

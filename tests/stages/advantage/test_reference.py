@@ -11,6 +11,7 @@ import torch
 from rlpipe.schemas import REFERENCE, iter_shards, read_manifest, validate_artifact
 from rlpipe.stages.advantage.config import ReferenceConfig
 from rlpipe.stages.advantage.critic import build_critic
+from rlpipe.stages.advantage.critic import main as critic_main
 from rlpipe.stages.advantage.reference import run_reference
 from rlpipe.stages.advantage.reference_main import main
 from rlpipe.stages.common.forward import teacher_forced_logprobs
@@ -72,8 +73,8 @@ def test_reference_logprobs_equal_teacher_forced_and_values_match_unpadded_forwa
 
 
 def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, rollouts_dir, tiny_policy_dir):
-    manifest = build_critic(tiny_policy_dir, tmp_path / "critic0", head="zero")
-    assert manifest.kind == "checkpoint" and (tmp_path / "critic0" / "_manifest.json").is_file()
+    assert critic_main([str(tiny_policy_dir), str(tmp_path / "critic0"), "--head", "zero"]) == 0
+    assert read_manifest(tmp_path / "critic0").kind == "checkpoint"
     critic, _ = load_model(tmp_path / "critic0", "critic", cache=False)
     policy, _ = load_model(tiny_policy_dir, "causal")
     assert type(critic).__name__ == "LlamaForTokenClassification" and critic.config.num_labels == 1
@@ -91,3 +92,21 @@ def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, ro
 def test_reference_config_needs_a_model(tmp_path):
     with pytest.raises(ValueError, match="nothing to compute"):
         ReferenceConfig(rollouts=tmp_path, output=tmp_path)
+
+
+@pytest.mark.gpu
+def test_reference_on_cuda_matches_cpu(tmp_path, rollouts_dir, tiny_policy_dir, critic_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from rlpipe.stages.common.models import clear_cache
+
+    base = dict(rollouts=rollouts_dir, reference_model=tiny_policy_dir, critic=critic_dir, batch_size=4)
+    try:
+        run_reference(ReferenceConfig(**base, output=tmp_path / "cpu", device="cpu"))
+        run_reference(ReferenceConfig(**base, output=tmp_path / "gpu", device="cuda"))
+    finally:
+        clear_cache()  # the cached models moved to the GPU
+    for (_, cpu), (_, gpu) in zip(iter_shards(tmp_path / "cpu"), iter_shards(tmp_path / "gpu"), strict=True):
+        for col in ("ref_logprobs", "values"):
+            for a, b in zip(cpu.column(col).to_pylist(), gpu.column(col).to_pylist(), strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
