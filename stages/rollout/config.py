@@ -1,0 +1,91 @@
+"""Config of the rollout stage: prompts + policy checkpoint -> rollouts (G samples per prompt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlpipe.schemas.config import StageConfig
+
+
+class RolloutConfig(StageConfig):
+    """Sample a group of G responses for every prompt with the policy and write a rollouts artifact.
+
+    Each group's samples depend only on (seed, iteration, group_id), the checkpoint, the prompt and
+    the sampling knobs: not on how groups are cut into shards, batches or workers. Stored log-probs
+    are log pi_theta(token | prefix) from the policy's raw logits (temperature 1, before top-p/top-k).
+    """
+
+    checkpoint: Path
+    """Policy checkpoint directory (Hugging Face format)."""
+    prompts: Path
+    """Input prompts artifact (schema `prompts`)."""
+    output: Path
+    """Output rollouts artifact directory."""
+    run: str = "run"
+    """Run name recorded in every row."""
+    iteration: int = Field(0, ge=0)
+    """Training iteration these rollouts belong to (recorded, and part of every group's seed)."""
+    policy_version: int = Field(0, ge=0)
+    """Optimisation rounds applied to the checkpoint (recorded in every row)."""
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """Generation engine. 'vllm' needs vLLM importable (on CPU: `make vllm-env`, then run the stage
+    with `.venv-vllm/bin/python -m rlpipe.stages.rollout engine=vllm ...`)."""
+
+    group_size: int = Field(8, ge=1)
+    """G: responses sampled per prompt."""
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    """Sampling temperature; 0 means greedy (argmax)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens with probability mass >= top_p (1 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (0 = off)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Response length limit; a response that reaches it ends with finish_reason 'length'."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation stops at the token that completes one; the response text is cut
+    before it (the token ids and log-probs keep that token, as vLLM does)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response (kept in it, like EOS), in addition to the tokenizer's EOS."""
+    seed: int = Field(0, ge=0)
+    """Stage seed; group g is sampled with a seed derived from (seed, iteration, g)."""
+
+    num_prompts: int | None = Field(None, ge=1)
+    """Groups to generate: prompts taken in artifact order from `prompt_offset`, wrapping around
+    the end (None = every prompt once)."""
+    prompt_offset: int = Field(0, ge=0)
+    """Index of the first prompt taken (modulo the prompt count): a pipeline passes
+    iteration * num_prompts to walk through the prompts across iterations."""
+    batch_size: int = Field(16, ge=1)
+    """Prompts per generate call (batch rows = batch_size * G); batches never cross a shard."""
+    groups_per_shard: int = Field(64, ge=1)
+    """Shard size in groups: shard k holds groups [k*S, (k+1)*S)."""
+    worker_index: int | None = Field(None, ge=0)
+    """None: this process generates every shard and writes the manifest. An int i: worker i of
+    `worker_count` generates the shards k with k % worker_count == i into the shared output
+    directory; the worker that finishes last writes the manifest listing all shards."""
+    worker_count: int = Field(1, ge=1)
+    """Number of workers sharing the artifact (see worker_index)."""
+
+    device: str = "auto"
+    """transformers engine: torch device ('auto' = cuda if available, else cpu)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vllm engine: GPUs per engine (tensor parallelism)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """vllm engine: fraction of GPU memory the engine may use."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """vllm engine: weight/activation dtype (the transformers engine always runs fp32)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """vllm engine: context length (None = the model's max_position_embeddings)."""
+
+    @model_validator(mode="after")
+    def _check_workers(self) -> RolloutConfig:
+        if self.worker_index is not None and self.worker_index >= self.worker_count:
+            raise ValueError(
+                f"worker_index {self.worker_index} must be < worker_count {self.worker_count}"
+            )
+        if self.worker_index is None and self.worker_count != 1:
+            raise ValueError("worker_count > 1 needs a worker_index (0..worker_count-1) per process")
+        return self
