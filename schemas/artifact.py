@@ -164,10 +164,8 @@ def _null_problems(table: pa.Table, expected: ArtifactSchema) -> list[str]:
     return problems
 
 
-def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None) -> pa.Table:
-    """Read one shard, validating its schema; raises SchemaMismatch naming the file and columns."""
-    path = Path(path)
-    expected = _resolve_schema(schema)
+def check_file_schema(path: Path | str, expected: ArtifactSchema) -> pa.Schema:
+    """The Arrow schema of a Parquet file, checked against `expected`; SchemaMismatch otherwise."""
     try:
         actual = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -175,6 +173,14 @@ def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence
     problems = schema_problems(actual, expected)
     if problems:
         raise SchemaMismatch(path, expected.name, problems)
+    return actual
+
+
+def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None) -> pa.Table:
+    """Read one shard, validating its schema; raises SchemaMismatch naming the file and columns."""
+    path = Path(path)
+    expected = _resolve_schema(schema)
+    check_file_schema(path, expected)
     table = pq.read_table(path, columns=list(columns) if columns is not None else None)
     problems = _null_problems(table, expected)
     if problems:
@@ -282,10 +288,7 @@ class ArtifactWriter:
         for shard in sorted(self.path.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}")):
             info = self._written.get(shard.name)
             if info is None:  # written by another worker: check and hash it here
-                table_schema = pq.read_schema(shard)
-                problems = schema_problems(table_schema, self.schema)
-                if problems:
-                    raise SchemaMismatch(shard, self.schema.name, problems)
+                check_file_schema(shard, self.schema)
                 rows = pq.ParquetFile(shard).metadata.num_rows
                 info = FileInfo(name=shard.name, bytes=shard.stat().st_size, sha256=_sha256_file(shard), rows=rows)
             files.append(info)
@@ -531,10 +534,7 @@ def _run_shards(
         expected = _expect(manifest, art, schema)
         files, first = [], None
         for shard in manifest.shard_names:
-            actual = pq.read_schema(art / shard)
-            problems = schema_problems(actual, expected)
-            if problems:
-                raise SchemaMismatch(art / shard, expected.name, problems)
+            actual = check_file_schema(art / shard, expected)
             files.append(str(art / shard))
             first = first if first is not None else actual
         out.append((art, files, first))
@@ -600,9 +600,7 @@ def scan_artifact(path: Path | str, schema: ArtifactSchema | str | None = None) 
     expected = _expect(manifest, path, schema)
     files = []
     for name in manifest.shard_names:
-        problems = schema_problems(pq.read_schema(path / name), expected)
-        if problems:
-            raise SchemaMismatch(path / name, expected.name, problems)
+        check_file_schema(path / name, expected)
         files.append(str(path / name))
     if not files:
         return pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)

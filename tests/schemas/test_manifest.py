@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from rlpipe.schemas import (
     MANIFEST_NAME,
     PROMPTS,
@@ -61,3 +63,27 @@ def test_commit_directory_hashes_every_file(tmp_path):
     assert m.shard_names == [] and validate_artifact(ckpt) == []
     (ckpt / "sub" / "weights.bin").write_bytes(b"\1" * 10)
     assert validate_artifact(ckpt) == [f"{ckpt / 'sub' / 'weights.bin'}: content differs from the manifest's sha256 (modified after writing)"]
+
+
+def test_workers_share_one_artifact(tmp_path):
+    """Workers write disjoint shards (clean=False); one commit lists and hashes them all, and the
+    content hash equals that of the same shards written by one writer."""
+    from rlpipe.schemas import ROLLOUTS, ArtifactWriter, SchemaMismatch, read_table_artifact
+
+    parts = [example_table(ROLLOUTS, 4, seed=i) for i in range(3)]
+    one = ArtifactWriter(tmp_path / "one", ROLLOUTS, stage="rollout")
+    for i, part in enumerate(parts):
+        one.write_shard(part, index=i)
+    single = one.commit()
+
+    shared = tmp_path / "shared"
+    workers = [ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=(i == 0)) for i in range(3)]
+    for i, w in enumerate(workers):
+        w.write_shard(parts[i], index=i)
+    m = workers[0].commit()  # knows shard 0 only; hashes 1 and 2 from disk
+    assert m.rows == 12 and m.shard_names == single.shard_names and m.content_hash == single.content_hash
+    assert read_table_artifact(shared).to_pylist() == [r for p in parts for r in p.to_pylist()]
+    # a foreign file among the shards is refused at commit time, naming it
+    (shared / "part-00009.parquet").write_text("not parquet")
+    with pytest.raises(SchemaMismatch, match="(?s)part-00009.parquet.*not a readable Parquet file"):
+        ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=False).commit()

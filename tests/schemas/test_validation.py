@@ -88,6 +88,8 @@ def test_foreign_csv_file(rollouts):
         read_table_artifact(rollouts)
     assert e.value.path == shard and str(shard) in str(e.value)
     assert "not a readable Parquet file" in str(e.value) and "'rollouts'" in str(e.value)
+    with pytest.raises(SchemaMismatch, match="not a readable Parquet file"):
+        scan_artifact(rollouts)
     problems = validate_artifact(rollouts)
     assert any(str(shard) in p and "sha256" in p for p in problems)
     assert any(str(shard) in p and "not a readable Parquet file" in p for p in problems)
