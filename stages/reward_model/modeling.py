@@ -1,0 +1,116 @@
+"""The reward of a (prompt, response) under a scalar-head model: tokenising, padding, reading
+the head at the last real token. Shared by training (this stage) and scoring (`score` stage).
+
+Sequences are `tokenizer(prompt + response)` (the tokenizer adds BOS if it does), cut to their
+last `max_length` tokens, **right-padded**, and the head is read at index `len - 1` taken from
+the attention mask. This does not rely on the pad token id differing from every real token (HF's
+own pooling looks for the rightmost non-pad id, which breaks when pad == eos).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+class RewardCheckpointError(ValueError):
+    """A checkpoint is missing or is not a 1-label sequence-classification (reward) model."""
+
+
+def num_labels(cfg: dict) -> int:
+    """Label count of a config.json dict (`id2label` is what transformers saves; default 2)."""
+    return int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
+
+
+def check_reward_checkpoint(path: Path | str, what: str = "reward model") -> None:
+    """Raise RewardCheckpointError unless `path` holds a 1-label sequence-classification model."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise RewardCheckpointError(f"{what} checkpoint {path} does not exist")
+    if not cfg_file.is_file():
+        raise RewardCheckpointError(f"{what} checkpoint {path} has no config.json (not a Hugging Face model)")
+    cfg = json.loads(cfg_file.read_text())
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise RewardCheckpointError(
+            f"{what} checkpoint {path} is a {archs or 'model of unknown architecture'}, not a "
+            "sequence-classification reward model (train one with the reward_model stage)"
+        )
+    n_labels = num_labels(cfg)
+    if n_labels != 1:
+        raise RewardCheckpointError(
+            f"{what} checkpoint {path} has a {n_labels}-label head; a reward model has exactly 1 label"
+        )
+
+
+def encode(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int) -> list[list[int]]:
+    """Token ids of prompt + response for each pair, keeping the last `max_length` tokens."""
+    texts = [p + r for p, r in zip(prompts, responses, strict=True)]
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    return [list(x[-max_length:]) for x in ids]
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, L) long, sequences left-aligned and right-padded."""
+    if any(len(s) == 0 for s in seqs):
+        raise ValueError("an empty token sequence has no last token to read a reward from")
+    L = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        input_ids[b, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        attention_mask[b, : len(s)] = 1
+    return input_ids, attention_mask
+
+
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar reward of each right-padded sequence: the `score` head at its last real token.
+
+    Runs the backbone (`model.<base_model_prefix>`), then the head on one hidden state per
+    sequence: r[b] = score(h[b, len_b - 1]), len_b = attention_mask[b].sum().
+
+    Shape:
+        input_ids, attention_mask: (B, L). Returns (B,) float.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    last = attention_mask.sum(dim=1) - 1  # right padding: the last real token sits at len - 1
+    h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return model.score(h_last).squeeze(-1).float()
+
+
+class RewardModule(torch.nn.Module):
+    """Wraps a sequence-classification model so DeepSpeed's forward is `sequence_rewards`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return sequence_rewards(self.model, input_ids, attention_mask)
+
+
+@torch.no_grad()
+def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *,
+                max_length: int, batch_size: int) -> torch.Tensor:
+    """Rewards of (prompt, response) texts in input order, batched by similar length.
+
+    Sequences are sorted by length (stable) before batching, so padding stays small; each
+    reward depends only on its own tokens and the batch composition, which is a function of the
+    input alone (deterministic).
+    """
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    seqs = encode(tokenizer, prompts, responses, max_length)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    device = next(model.parameters()).device
+    out = torch.empty(len(seqs), dtype=torch.float32)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        input_ids, attention_mask = right_pad([seqs[i] for i in idx], pad_id)
+        r = sequence_rewards(model, input_ids.to(device), attention_mask.to(device))
+        out[torch.tensor(idx)] = r.float().cpu()
+    return out

@@ -1,0 +1,113 @@
+"""Reward-model stage: preferences + base checkpoint -> reward-model checkpoint + metrics.
+
+    python -m rlpipe.stages.reward_model preferences=DIR base=CKPT output=OUT [key=value ...]
+
+Reads every pair, holds out `eval_fraction` of them (seeded hash of pair_id), trains a 1-label
+scalar head with the Bradley-Terry loss on DeepSpeed, and writes (rank 0):
+    <output>/           Hugging Face checkpoint (safetensors + tokenizer), `_manifest.json` last
+    <metrics>/          `metrics` artifact: loss per optimizer step, held-out accuracy and rewards
+The checkpoint manifest is written after the metrics, so it exists only when both are complete.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rlpipe.schemas import (
+    METRICS,
+    PREFERENCES,
+    Manifest,
+    cache_key,
+    cached_manifest,
+    commit_directory,
+    read_manifest,
+    read_table_artifact,
+    write_table_artifact,
+)
+from rlpipe.schemas.manifest import MANIFEST_NAME, InputRef
+from rlpipe.stages.reward_model.config import RewardModelConfig
+
+STAGE = "reward_model"
+
+
+def metrics_path(config: RewardModelConfig) -> Path:
+    """Where the metrics artifact goes: `config.metrics`, or `<output>_metrics` beside it."""
+    return config.metrics or config.output.with_name(config.output.name + "_metrics")
+
+
+def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
+    """Train the reward model; returns the checkpoint's manifest (cached when nothing changed)."""
+    import torch.distributed as dist
+
+    from rlpipe.stages.common.models import checkpoint_key
+    from rlpipe.stages.reward_model import engine as E
+    from rlpipe.stages.reward_model.core import split_pairs
+    from rlpipe.stages.reward_model.modeling import RewardCheckpointError, encode
+
+    started = time.time()
+    prefs_manifest = read_manifest(config.preferences)
+    if not (config.base / "config.json").is_file():
+        raise RewardCheckpointError(f"base checkpoint {config.base} does not exist or has no config.json")
+    hashes = {"preferences": prefs_manifest.content_hash, "base": checkpoint_key(config.base)}
+    key = cache_key(STAGE, config.resolved(), hashes)
+    cached = cached_manifest(config.output, key)
+    if cached is not None and not force and cached_manifest(metrics_path(config), key) is not None:
+        return cached
+    inputs = {
+        "preferences": prefs_manifest.as_input(config.preferences),
+        "base": InputRef(path=str(config.base), content_hash=hashes["base"]),
+    }
+
+    # Data: every pair, tokenised once; the held-out split by seeded hash of pair_id.
+    table = read_table_artifact(config.preferences, PREFERENCES)
+    if table.num_rows == 0:
+        raise ValueError(f"preferences artifact {config.preferences} has no rows")
+    rank, world_size = E.init_distributed()
+    model, tokenizer = E.load_base(config.base, config.seed)
+    prompts = table.column("prompt").to_pylist()
+    margin = np.nan_to_num(table.column("margin").to_numpy(zero_copy_only=False).astype(np.float32), nan=0.0)
+    data = E.PairData(
+        chosen=encode(tokenizer, prompts, table.column("chosen").to_pylist(), config.max_length),
+        rejected=encode(tokenizer, prompts, table.column("rejected").to_pylist(), config.max_length),
+        margin=margin,
+    )
+    train_idx, eval_idx = split_pairs(table.column("pair_id").to_pylist(), config.eval_fraction, config.seed)
+    if len(train_idx) < config.batch_size * world_size and world_size > 1:
+        raise ValueError(f"{len(train_idx)} training pairs cannot fill one batch on {world_size} ranks")
+
+    # Train on DeepSpeed.
+    engine, history = E.train(model, tokenizer, data.take(train_idx), data.take(eval_idx), config,
+                              rank, world_size)
+    state = E.full_state_dict(engine, config.zero_stage, rank)
+
+    # Write (rank 0): checkpoint files, metrics artifact, then the checkpoint manifest last.
+    if rank == 0:
+        out = config.output
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        for stale in [*out.glob("*.safetensors"), *out.glob("*.bin"), *out.glob("*.safetensors.index.json")]:
+            stale.unlink()
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        metrics = {
+            "run": [config.run] * len(history.rows),
+            "iteration": [config.iteration] * len(history.rows),
+            "stage": [STAGE] * len(history.rows),
+            "step": [s for s, _, _ in history.rows],
+            "name": [n for _, n, _ in history.rows],
+            "value": [v for _, _, v in history.rows],
+        }
+        write_table_artifact(metrics_path(config), METRICS, metrics, stage=STAGE,
+                             config=config.resolved(), inputs=inputs, cache_key=key)
+        final = {n: v for _, n, v in history.rows}  # last value of each metric
+        summary = {"train_pairs": len(train_idx), "eval_pairs": len(eval_idx), "world_size": world_size,
+                   "steps": max((s for s, _, _ in history.rows), default=0),
+                   **{k: v for k, v in final.items() if k.startswith("eval_") or k == "loss"}}
+        commit_directory(out, stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
+                         extra=summary, wall_time_s=time.time() - started)
+    if world_size > 1:
+        dist.barrier()
+    return read_manifest(config.output)

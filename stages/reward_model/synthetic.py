@@ -1,0 +1,88 @@
+"""A synthetic preference set whose chosen and rejected responses differ by a learnable property.
+
+Kinds:
+    arithmetic  prompt 'Q: a+b= A:'; chosen ' <a+b>', rejected ' <a wrong sum>' (off by 1..3).
+                The property a reward model must learn: the answer is the correct sum.
+    keyword     prompt 'Q: say something A:'; both responses are random words, the chosen one
+                contains the target word. The property: the target word is present.
+
+Usage: python -m rlpipe.stages.reward_model.synthetic OUT [--pairs N] [--kind K] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+
+from rlpipe.schemas import PREFERENCES, Manifest, write_table_artifact
+
+Kind = Literal["arithmetic", "keyword"]
+WORDS = ("red", "blue", "cat", "dog", "sun", "tree", "book", "car", "fish", "bird")
+TARGET = "good"
+
+
+def synthetic_preferences(n_pairs: int, *, kind: Kind = "arithmetic", seed: int = 0,
+                          max_operand: int = 19) -> pa.Table:
+    """`n_pairs` preference rows (schema `preferences`, margin null); same seed, same table."""
+    rng = np.random.default_rng(seed)
+    prompts, chosen, rejected = [], [], []
+    for _ in range(n_pairs):
+        if kind == "arithmetic":
+            a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
+            wrong = a + b + int(rng.choice([-3, -2, -1, 1, 2, 3]))
+            wrong = wrong if wrong >= 0 else a + b + 1
+            prompts.append(f"Q: {a}+{b}= A:")
+            chosen.append(f" {a + b}")
+            rejected.append(f" {wrong}")
+        elif kind == "keyword":
+            k = int(rng.integers(2, 5))
+            words = [str(w) for w in rng.choice(WORDS, size=k)]
+            pos = int(rng.integers(0, k + 1))
+            prompts.append("Q: say something A:")
+            chosen.append(" " + " ".join(words[:pos] + [TARGET] + words[pos:]))
+            rejected.append(" " + " ".join(str(w) for w in rng.choice(WORDS, size=k + 1)))
+        else:
+            raise ValueError(f"unknown synthetic preference kind {kind!r}; known: arithmetic, keyword")
+    return pa.table(
+        {
+            "pair_id": [f"{kind}-{seed}-{i:06d}" for i in range(n_pairs)],
+            "prompt": prompts,
+            "chosen": chosen,
+            "rejected": rejected,
+            "margin": pa.nulls(n_pairs, pa.float32()),
+        },
+        schema=PREFERENCES.arrow(),
+    )
+
+
+def write_synthetic_preferences(path: Path | str, n_pairs: int, *, kind: Kind = "arithmetic",
+                                seed: int = 0, rows_per_shard: int | None = None) -> Manifest:
+    """Write a synthetic `preferences` artifact to `path`."""
+    table = synthetic_preferences(n_pairs, kind=kind, seed=seed)
+    return write_table_artifact(
+        path, PREFERENCES, table, stage="synthetic_preferences",
+        config={"n_pairs": n_pairs, "kind": kind, "seed": seed}, rows_per_shard=rows_per_shard,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlpipe.stages.reward_model.synthetic",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="output preferences artifact directory")
+    parser.add_argument("--pairs", type=int, default=1000)
+    parser.add_argument("--kind", choices=["arithmetic", "keyword"], default="arithmetic")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    manifest = write_synthetic_preferences(args.out, args.pairs, kind=args.kind, seed=args.seed)
+    print(f"wrote {args.out} ({manifest.rows} pairs, content {manifest.content_hash[:12]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
