@@ -172,8 +172,6 @@ def save_module(engine: Any, tokenizer: Any, out_dir: Any, rank: int) -> torch.n
     copy = None
     with full_parameters(engine) as module:
         if rank == 0:
-            if module.supports_gradient_checkpointing:
-                module.gradient_checkpointing_disable()  # not a saved setting; the copy is for inference
             module.save_pretrained(out_dir, safe_serialization=True)
             tokenizer.save_pretrained(out_dir)
             copy = type(module)(module.config)

@@ -258,7 +258,7 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
         write_table_artifact(config.metrics_output, METRICS, table, stage=STAGE, config=resolved,
                              inputs=inputs, cache_key=key)
     summary = {name: value for step, name, value in rows if step == max(r[0] for r in rows) or step == 0}
-    for engine, out, kind in ((crit, config.critic_output, "value"), (pol, config.output, "causal")):
+    for engine, out, kind in ((crit, config.critic_output, "critic"), (pol, config.output, "causal")):
         if engine is None:
             continue
         out = Path(out)
@@ -269,7 +269,7 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
         if rank == 0:
             commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                              extra={"metrics": summary, "kind": kind}, wall_time_s=time.time() - started)
-            remember(out, kind, copy, tokenizer)
+            remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
     return read_manifest(config.output)
 

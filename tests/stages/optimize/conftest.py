@@ -12,7 +12,9 @@ import pytest
 def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int = 4, seed: int = 0,
                     with_values: bool = False, with_ref: bool = False, iteration: int = 0) -> dict[str, Path]:
     """rollouts/ and advantages/ under `root`: responses of 2-7 random tokens; advantage +1 for even
-    sample_index, -1 for odd (broadcast over tokens); reward = advantage."""
+    sample_index, -1 for odd (broadcast over tokens); reward = advantage. Positive responses draw
+    their tokens from one half of the vocabulary and negative ones from the other, so a policy
+    update can raise every positive response and lower every negative one."""
     from rlpipe.schemas import ADVANTAGES, ROLLOUTS, write_table_artifact
 
     rng = np.random.default_rng(seed)
@@ -24,7 +26,8 @@ def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int =
         prompt_ids = tokenizer(prompt)["input_ids"]
         for s in range(group_size):
             n = int(rng.integers(2, 8))
-            resp = [int(x) for x in rng.choice(vocab, size=n)]
+            half = vocab[: len(vocab) // 2] if s % 2 == 0 else vocab[len(vocab) // 2:]
+            resp = [int(x) for x in rng.choice(half, size=n)]
             a = 1.0 if s % 2 == 0 else -1.0
             for k, v in dict(run="t", iteration=iteration, policy_version=0, prompt_id=f"p{g}", group_id=g,
                              sample_index=s, prompt=prompt, prompt_token_ids=prompt_ids, answer=None,
@@ -53,3 +56,49 @@ def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int =
 @pytest.fixture
 def artifacts(tmp_path, tiny_tokenizer):
     return build_artifacts(tmp_path, tiny_tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Single-threaded torch: on a shared 2-core machine extra threads only add contention."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def optimize_config(root: Path, arts: dict[str, Path], policy: Path, name: str = "o", **overrides):
+    from rlpipe.stages.optimize.config import OptimizeConfig
+
+    base = dict(policy=policy, rollouts=arts["rollouts"], advantages=arts["advantages"],
+                output=root / f"{name}_policy", metrics_output=root / f"{name}_metrics", lr=1e-3)
+    return OptimizeConfig(**{**base, **overrides})
+
+
+def metrics_of(path: Path) -> dict[int, dict[str, float]]:
+    """{step: {name: value}} of a metrics artifact."""
+    from rlpipe.schemas import read_table_artifact
+
+    t = read_table_artifact(path, "metrics").to_pydict()
+    out: dict[int, dict[str, float]] = {}
+    for step, name, value in zip(t["step"], t["name"], t["value"], strict=True):
+        out.setdefault(step, {})[name] = value
+    return out
+
+
+@pytest.fixture
+def build():
+    """build_artifacts(root, tokenizer, ...) (test modules cannot import conftest in importlib mode)."""
+    return build_artifacts
+
+
+@pytest.fixture
+def make_config():
+    return optimize_config
+
+
+@pytest.fixture
+def read_metrics():
+    return metrics_of

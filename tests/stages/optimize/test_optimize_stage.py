@@ -1,0 +1,140 @@
+"""The optimisation stage end to end on a tiny model and synthetic rollouts/advantages artifacts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlpipe.schemas import read_manifest, read_table_artifact, validate_artifact
+from rlpipe.stages.advantage.kl import kl
+from rlpipe.stages.common.forward import teacher_forced_logprobs
+from rlpipe.stages.common.models import load_model
+from rlpipe.stages.common.tiny import load_checkpoint
+from rlpipe.stages.optimize.core import epoch_order
+from rlpipe.stages.optimize.run import run
+
+
+def _seq_logps(model, arts, pad_id):
+    t = read_table_artifact(arts["rollouts"], "rollouts").to_pydict()
+    lp = teacher_forced_logprobs(model, t["prompt_token_ids"], t["response_token_ids"], pad_id)
+    return np.array([x.sum() for x in lp]), np.array(t["sample_index"]), t
+
+
+def test_ppo_clip_first_step_ratio_is_one_and_moves_logprobs_by_advantage_sign(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, lr=3e-3, epochs=2, minibatch_size=8,
+                          micro_batch_size=4)
+    run(cfg)
+    m = read_metrics(cfg.metrics_output)
+    # first step of the first epoch: same model, same packing, no dropout -> rho == 1 exactly
+    assert m[1]["ratio_min"] == 1.0 and m[1]["ratio_max"] == 1.0
+    assert m[1]["clip_fraction"] == 0.0 and m[1]["approx_kl"] == 0.0
+    assert m[0]["steps"] == 4 and m[4]["epoch"] == 1.0
+    assert m[4]["approx_kl"] > 0.0 and m[4]["ratio_max"] > 1.0
+
+    old, tok = load_checkpoint(tiny_policy_dir)
+    new, _ = load_checkpoint(cfg.output)
+    before, sample_index, rows = _seq_logps(old, artifacts, tok.pad_token_id)
+    after, _, _ = _seq_logps(new, artifacts, tok.pad_token_id)
+    positive = sample_index % 2 == 0  # the synthetic advantage is +1 for even samples, -1 for odd
+    delta = after - before
+    assert (delta[positive] > 0).all(), delta[positive]
+    assert (delta[~positive] < 0).all(), delta[~positive]
+
+    # the logged gap: rollout log-probs vs the trainer's recomputed ones (= the old policy's)
+    old_lp = teacher_forced_logprobs(old, rows["prompt_token_ids"], rows["response_token_ids"], tok.pad_token_id)
+    gap = np.concatenate([np.abs(np.array(r, np.float32) - o) for r, o in zip(rows["response_logprobs"], old_lp, strict=True)])
+    assert m[0]["logprob_gap_mean_abs"] == pytest.approx(float(gap.mean()), abs=1e-5)
+    assert m[0]["response_length_max"] == max(len(r) for r in rows["response_token_ids"])
+
+
+def test_checkpoint_reloads_generates_and_is_remembered(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, minibatch_size=16, micro_batch_size=8)
+    manifest = run(cfg)
+    assert validate_artifact(cfg.output) == [] and validate_artifact(cfg.metrics_output) == []
+    assert manifest.kind == "checkpoint" and manifest.inputs["advantages"].schema_name == "advantages"
+    names = {f.name for f in manifest.files}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= names
+    # the manifest is written last: no file is newer
+    newest = max((cfg.output / n).stat().st_mtime_ns for n in names)
+    assert (cfg.output / "_manifest.json").stat().st_mtime_ns >= newest
+
+    disk, tok = load_checkpoint(cfg.output)
+    ids = tok("Q: 3+4= A:", return_tensors="pt")
+    out = disk.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    # the in-process cache now serves exactly the saved weights, in eval mode
+    cached, _ = load_model(cfg.output)
+    assert not cached.training
+    for (k, a), (_, b) in zip(disk.state_dict().items(), cached.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    trained = dict(disk.named_parameters())
+    start, _ = load_checkpoint(tiny_policy_dir)
+    assert any(not torch.equal(p, trained[k]) for k, p in start.named_parameters())
+
+
+def test_rerun_is_a_cache_hit_and_the_result_is_deterministic(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+    a = make_config(tmp_path, artifacts, tiny_policy_dir, "a", minibatch_size=8, micro_batch_size=4)
+    first = run(a)
+    again = run(a)
+    assert again.created_at == first.created_at and again.content_hash == first.content_hash
+    b = make_config(tmp_path, artifacts, tiny_policy_dir, "b", minibatch_size=8, micro_batch_size=4)
+    second = run(b)
+    assert second.content_hash == first.content_hash
+    assert read_manifest(b.metrics_output).content_hash == read_manifest(a.metrics_output).content_hash
+    forced = run(a, force=True)
+    assert forced.content_hash == first.content_hash and forced.created_at >= first.created_at
+
+
+def test_gspo_with_kl_in_loss_and_entropy_bonus(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):
+    arts = build(tmp_path, tiny_tokenizer, with_ref=True)
+    cfg = make_config(tmp_path, arts, tiny_policy_dir, loss="gspo", eps_low=3e-4, eps_high=4e-4,
+                          kl_beta=0.1, kl_estimator="k3", entropy_coef=0.01, minibatch_size=8, micro_batch_size=2,
+                          agg_mode="seq-mean-token-mean")
+    run(cfg)
+    m = read_metrics(cfg.metrics_output)
+    assert m[1]["ratio_min"] == 1.0 and m[1]["clip_fraction"] == 0.0
+    # at step 1 the logged KL to the reference is the mean k3 of the start policy against the
+    # advantages' ref_logprobs (joined on the key) over the first minibatch's tokens
+    old, tok = load_checkpoint(tiny_policy_dir)
+    ro = read_table_artifact(arts["rollouts"], "rollouts").to_pydict()
+    adv = read_table_artifact(arts["advantages"], "advantages").to_pydict()
+    ref_by_key = {(g, s): r for g, s, r in zip(adv["group_id"], adv["sample_index"], adv["ref_logprobs"], strict=True)}
+    rows = epoch_order(16, cfg.seed, 0)[:8]
+    lp = teacher_forced_logprobs(old, [ro["prompt_token_ids"][i] for i in rows],
+                                 [ro["response_token_ids"][i] for i in rows], tok.pad_token_id)
+    ref = [np.array(ref_by_key[(ro["group_id"][i], ro["sample_index"][i])], np.float32) for i in rows]
+    k3 = np.concatenate([kl("k3", torch.from_numpy(a), torch.from_numpy(b)).numpy() for a, b in zip(lp, ref, strict=True)])
+    assert m[1]["kl_ref"] == pytest.approx(float(k3.mean()), rel=1e-4)
+    # the loss includes + beta * agg(k3) - c_H * agg(H): with rho == 1 and seq-mean-token-mean, the
+    # policy term is -mean_seq(A); loss - policy_loss is the regularisers' share
+    assert m[1]["loss"] != pytest.approx(m[1]["policy_loss"])
+    assert m[2]["clip_fraction"] > 0.0  # GSPO's tiny clip range bites after one update
+
+
+def test_ppo_critic_value_loss_decreases(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):
+    arts = build(tmp_path, tiny_tokenizer, with_values=True)
+    cfg = make_config(tmp_path, arts, tiny_policy_dir, critic=tiny_policy_dir, critic_output=tmp_path / "critic",
+                          critic_lr=3e-3, epochs=8, minibatch_size=16, micro_batch_size=8, value_clip=None)
+    run(cfg)
+    m = read_metrics(cfg.metrics_output)
+    losses = [m[s]["value_loss"] for s in range(1, 9)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert m[8]["explained_variance"] > m[1]["explained_variance"]
+    assert validate_artifact(cfg.critic_output) == []
+    critic, _ = load_model(cfg.critic_output, "critic")
+    assert critic.config.num_labels == 1
+
+
+def test_bad_inputs_are_named(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):
+    arts = build(tmp_path, tiny_tokenizer)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        run(make_config(tmp_path, arts, tiny_policy_dir, kl_beta=0.1))
+    other = build(tmp_path / "other", tiny_tokenizer, groups=3)
+    with pytest.raises(ValueError, match="do not match the rollouts"):
+        run(make_config(tmp_path, {"rollouts": arts["rollouts"], "advantages": other["advantages"]},
+                            tiny_policy_dir))
+    with pytest.raises(ValueError, match="minibatch_size"):
+        run(make_config(tmp_path, arts, tiny_policy_dir, minibatch_size=12, micro_batch_size=4))
+    with pytest.raises(ValueError, match="critic_output"):
+        make_config(tmp_path, arts, tiny_policy_dir, critic=tiny_policy_dir)
