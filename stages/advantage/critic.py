@@ -53,9 +53,12 @@ def critic_from_policy(policy_model, *, head: HeadInit = "zero", seed: int = 0):
 def build_critic(policy: Path | str, output: Path | str, *, head: HeadInit = "zero", seed: int = 0) -> Manifest:
     """Save a critic initialised from checkpoint `policy` to `output` (Hugging Face format, with
     the policy's tokenizer) and write its checkpoint manifest last."""
+    from transformers.utils import logging as hf_logging
+
     from rlpipe.stages.common.models import checkpoint_key, load_model
     from rlpipe.stages.common.tiny import save_pretrained
 
+    hf_logging.disable_progress_bar()
     started = time.time()
     policy, output = Path(policy), Path(output)
     model, tokenizer = load_model(policy, "causal")

@@ -70,6 +70,16 @@ def _load(path: Path, kind: str, device: torch.device):
     return model, pad_id
 
 
+def _check_vocab(model, prompts: list[list[int]], responses: list[list[int]], where: Path) -> None:
+    """Raise naming the first row whose token ids the model's embedding cannot look up."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        bad = [t for t in p + r if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{where}: row {i} has token id {bad[0]} outside the model's vocabulary "
+                             f"(size {vocab}); were the rollouts made with another tokenizer?")
+
+
 def run_reference(config: ReferenceConfig, *, force: bool = False) -> Manifest:
     """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
     started = time.time()
@@ -91,6 +101,8 @@ def run_reference(config: ReferenceConfig, *, force: bool = False) -> Manifest:
     for path, table in _progress(shards, "reference"):
         prompts = table.column("prompt_token_ids").to_pylist()
         responses = table.column("response_token_ids").to_pylist()
+        for model, _ in filter(None, (ref, critic)):
+            _check_vocab(model, prompts, responses, path)
         out = {name: table.column(name) for name in ("run", *KEY)}
         out["ref_logprobs"] = (
             list_array_from_numpy(teacher_forced_logprobs(ref[0], prompts, responses, ref[1], config.batch_size))

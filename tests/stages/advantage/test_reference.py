@@ -110,3 +110,11 @@ def test_reference_on_cuda_matches_cpu(tmp_path, rollouts_dir, tiny_policy_dir, 
         for col in ("ref_logprobs", "values"):
             for a, b in zip(cpu.column(col).to_pylist(), gpu.column(col).to_pylist(), strict=True):
                 np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path, tiny_policy_dir, artifacts):
+    rows = [artifacts.rollout(0, 0, [1, 5], [7, 8], [-1.0, -1.0]), artifacts.rollout(0, 1, [1, 5], [7, 10_000], [-1.0] * 2)]
+    artifacts.write(tmp_path / "rollouts", artifacts.ROLLOUTS_, rows)
+    with pytest.raises(ValueError, match="part-00000.parquet: row 1 has token id 10000 outside the model's vocabulary"):
+        run_reference(ReferenceConfig(rollouts=tmp_path / "rollouts", output=tmp_path / "ref",
+                                      reference_model=tiny_policy_dir, device="cpu"))
