@@ -1,0 +1,154 @@
+"""Config of the score stage: rollouts -> scores, R = sum_k w_k * r_k over named components."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rlpipe.schemas.config import StageConfig
+
+
+class _Component(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$")
+    """Component name: the output column is `reward__<name>` (letters, digits, underscores)."""
+    weight: float = Field(1.0, allow_inf_nan=False)
+    """Weight w_k of this component in the total R = sum_k w_k * r_k."""
+
+
+class RewardModelComponent(_Component):
+    """Score of a trained reward model (1-label sequence classifier) on prompt + response text."""
+
+    type: Literal["reward_model"] = "reward_model"
+    checkpoint: Path
+    """Reward-model checkpoint directory (written by the reward_model stage)."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per forward pass."""
+    max_length: int = Field(1024, ge=2)
+    """Token budget of prompt + response; longer sequences keep their last tokens."""
+
+
+class AnswerMatchComponent(_Component):
+    """1.0 if the answer extracted from the response matches the reference answer, else 0.0."""
+
+    type: Literal["answer_match"] = "answer_match"
+    mode: Literal["exact", "numeric"] = "numeric"
+    """'exact': equal strings after normalisation (trim, casefold, collapse whitespace, drop a
+    trailing period); 'numeric': equal numbers (commas dropped, fractions a/b allowed) within the
+    tolerances."""
+    pattern: str | None = None
+    """Regex with one capture group locating the answer in the response (last match wins).
+    Default: 'numeric' takes the last number in the response; 'exact' the text after the last
+    'A:' (or the whole response when there is none)."""
+    rel_tol: float = Field(1e-6, ge=0.0, allow_inf_nan=False)
+    """Relative tolerance of numeric equality."""
+    abs_tol: float = Field(1e-9, ge=0.0, allow_inf_nan=False)
+    """Absolute tolerance of numeric equality."""
+    missing_answer: Literal["error", "zero"] = "error"
+    """A rollout without a reference answer: 'error' stops with the row named; 'zero' scores 0."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                groups = re.compile(v).groups
+            except re.error as e:
+                raise ValueError(f"not a valid regex: {e}") from None
+            if groups != 1:
+                raise ValueError(f"needs exactly one capture group, has {groups}")
+        return v
+
+
+class RegexFormatComponent(_Component):
+    """1.0 if the response matches a regex (a format check), else 0.0."""
+
+    type: Literal["regex_format"] = "regex_format"
+    pattern: str
+    """Python regex; use inline flags such as (?s) or (?m) where needed."""
+    match: Literal["search", "fullmatch"] = "search"
+    """'search': anywhere in the response; 'fullmatch': the whole (stripped) response."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a valid regex: {e}") from None
+        return v
+
+
+class OverlongComponent(_Component):
+    """DAPO overlong shaping on the response length L in tokens: 0 if L <= L_max - L_buf,
+    ((L_max - L_buf) - L) / L_buf inside the buffer, -1 beyond L_max."""
+
+    type: Literal["overlong"] = "overlong"
+    max_length: int = Field(ge=1)
+    """L_max: the maximum response length in tokens (usually the rollout's max_new_tokens)."""
+    buffer: int = Field(ge=1)
+    """L_buf: the soft-penalty zone before L_max, in tokens."""
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> OverlongComponent:
+        if self.buffer > self.max_length:
+            raise ValueError(f"buffer ({self.buffer}) must not exceed max_length ({self.max_length})")
+        return self
+
+
+class PythonComponent(_Component):
+    """A user function `fn(prompts, responses, answers, **kwargs) -> list[float]` called on batches."""
+
+    type: Literal["python"] = "python"
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path 'package.module:function'."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed on every call (JSON-able)."""
+    batch_size: int = Field(256, ge=1)
+    """Rows per call."""
+
+
+Component = Annotated[
+    RewardModelComponent | AnswerMatchComponent | RegexFormatComponent | OverlongComponent | PythonComponent,
+    Field(discriminator="type"),
+]
+
+
+class ScoreConfig(StageConfig):
+    """Score rollouts: total reward R = sum_k w_k * r_k plus one column per component."""
+
+    rollouts: Path
+    """Input `rollouts` artifact."""
+    output: Path
+    """Output `scores` artifact (one shard per rollouts shard, same index)."""
+    components: list[Component] = Field(min_length=1)
+    """Reward components, each {name, type, weight, ...}; type: reward_model | answer_match |
+    regex_format | overlong | python."""
+    seed: int = 0
+    """Unused by the built-in components (all deterministic); recorded for user functions."""
+    worker_index: int | None = Field(None, ge=0)
+    """None: this process scores every shard and writes the manifest. An int i: worker i of
+    `worker_count` scores the shards k with k % worker_count == i into the shared output
+    directory; the worker that finishes last writes the manifest listing all shards."""
+    worker_count: int = Field(1, ge=1)
+    """Number of scorer processes sharing the artifact (see worker_index)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ScoreConfig:
+        names = [c.name for c in self.components]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"component names must be unique; repeated: {dup}")
+        if self.worker_index is not None and self.worker_index >= self.worker_count:
+            raise ValueError(f"worker_index {self.worker_index} must be < worker_count {self.worker_count}")
+        if self.worker_index is None and self.worker_count != 1:
+            raise ValueError("worker_count > 1 needs a worker_index (0..worker_count-1) per process")
+        return self
+
+    def work_key(self) -> dict[str, Any]:
+        """The config minus how the work is split: equal for 1 process and for N workers."""
+        return self.model_dump(mode="json", exclude={"worker_count", "worker_index"})

@@ -1,0 +1,197 @@
+"""Score stage: rollouts -> scores. One scores shard per rollouts shard, same file name.
+
+    python -m rlpipe.stages.score -c score.yaml                         # one process
+    python -m rlpipe.stages.score -c score.yaml worker_count=2 worker_index=0   # } N processes;
+    python -m rlpipe.stages.score -c score.yaml worker_count=2 worker_index=1   # } the last commits
+
+Each row gets R = sum_k w_k * r_k and one `reward__<name>` column per component. A failing
+component stops the stage with a `ScoreError` naming component, shard and row; no manifest is
+written then, and the next run replaces the shards left behind.
+
+Scale-out (as the rollout stage): worker i of N (worker_index=i, worker_count=N) scores the
+rollouts shards k with k % N == i into the shared output directory, then drops a marker file; the
+worker that finds all N markers of this cache key and every shard present writes the manifest.
+A worker that is not last returns a manifest of its own shards (not written; `extra.partial`).
+Batches never cross a shard, so a shard's bytes do not depend on which worker wrote it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rlpipe.schemas import (
+    ROLLOUTS,
+    SCORES,
+    ArtifactError,
+    ArtifactWriter,
+    Manifest,
+    cache_key,
+    cached_manifest,
+    read_manifest,
+    read_shard,
+)
+from rlpipe.schemas.manifest import InputRef, content_hash
+from rlpipe.stages.score.config import ScoreConfig
+from rlpipe.stages.score.core import combine
+from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scorer
+
+STAGE = "score"
+KEYS = ("run", "iteration", "prompt_id", "group_id", "sample_index")
+READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason")
+
+
+def shard_index(name: str) -> int:
+    """5 for 'part-00005.parquet'."""
+    return int(Path(name).stem.rsplit("-", 1)[1])
+
+
+def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
+    """Score the rollouts (all shards, or this worker's); returns the manifest (or, for one of N
+    workers, an uncommitted manifest describing the shards it wrote)."""
+    from rlpipe.stages.common.models import checkpoint_key
+    from rlpipe.stages.reward_model.modeling import RewardCheckpointError, check_reward_checkpoint
+
+    started = time.time()
+    rollouts = read_manifest(config.rollouts)
+    if rollouts.schema_name != ROLLOUTS.name:
+        raise ArtifactError(f"{config.rollouts} holds {rollouts.schema_name!r} rows, expected 'rollouts'")
+    inputs = {"rollouts": rollouts.as_input(config.rollouts)}
+    for c in config.components:
+        if c.type == "reward_model":
+            try:
+                check_reward_checkpoint(c.checkpoint)
+            except RewardCheckpointError as e:
+                raise ScoreError(c, None, "", str(e)) from None
+            inputs[f"reward_model:{c.name}"] = InputRef(path=str(c.checkpoint), content_hash=checkpoint_key(c.checkpoint))
+    key = cache_key(STAGE, config.work_key(), {role: ref.content_hash for role, ref in inputs.items()})
+    cached = cached_manifest(config.output, key)
+    if cached is not None and not force:
+        return cached
+
+    extra_columns = [SCORES.families[0].column(c.name, f"{c.type} component, weight {c.weight}")
+                     for c in config.components]
+    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=config.work_key(), inputs=inputs,
+                            cache_key=key, extra_columns=extra_columns, clean=config.worker_index is None)
+    names = rollouts.shard_names
+    mine = names
+    if config.worker_index is not None:
+        mine = [n for n in names if shard_index(n) % config.worker_count == config.worker_index]
+        _prepare_worker_dir(config, key, names, mine)
+
+    # Score shard by shard: read, run every component (checked), write the scores shard.
+    scorers = [build_scorer(c) for c in config.components]
+    written = []
+    with _progress(f"score{_who(config)}", len(mine)) as advance:
+        for name in mine:
+            table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ)
+            rows = _rows(config.rollouts / name, table)
+            values = [run_scorer(c, s, rows) for c, s in zip(config.components, scorers, strict=True)]
+            written.append(writer.write_shard(_scores_table(table, config, values), shard_index(name)))
+            advance()
+
+    if config.worker_index is None:
+        return _commit(writer, config, names, started)
+    return _finish_worker(writer, config, key, names, written, started)
+
+
+def _rows(shard: Path, table: pa.Table) -> Rows:
+    return Rows(
+        shard=shard,
+        prompts=table.column("prompt").to_pylist(),
+        responses=table.column("response").to_pylist(),
+        answers=table.column("answer").to_pylist(),
+        lengths=pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False),
+        group_ids=table.column("group_id").to_pylist(),
+        sample_indices=table.column("sample_index").to_pylist(),
+    )
+
+
+def _scores_table(table: pa.Table, config: ScoreConfig, values: list[np.ndarray]) -> dict[str, Any]:
+    total = combine([c.weight for c in config.components], values)
+    cols: dict[str, Any] = {k: table.column(k) for k in KEYS}
+    cols["response_length"] = pc.list_value_length(table.column("response_token_ids")).cast(pa.int32())
+    cols["finish_reason"] = table.column("finish_reason")
+    cols["reward"] = pa.array(total.astype(np.float32))
+    for c, v in zip(config.components, values, strict=True):
+        cols[f"reward__{c.name}"] = pa.array(v.astype(np.float32))
+    return cols
+
+
+def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], started: float) -> Manifest:
+    """Check every scores shard against its rollouts shard (row count), then write the manifest
+    with the mean of the total and of each component."""
+    in_rows = {f.name: f.rows for f in read_manifest(config.rollouts).files}
+    sums: dict[str, float] = {}
+    total_rows = 0
+    for n in names:
+        path = config.output / n
+        if pq.ParquetFile(path).metadata.num_rows != in_rows[n]:
+            raise ArtifactError(f"{path}: row count differs from {config.rollouts / n}; rerun the stage")
+        t = read_shard(path, SCORES, columns=["reward", *(f"reward__{c.name}" for c in config.components)])
+        total_rows += t.num_rows
+        for col in t.column_names:
+            sums[col] = sums.get(col, 0.0) + float(pc.sum(t.column(col)).as_py() or 0.0)
+    extra = {f"{k}_mean": v / total_rows for k, v in sums.items()} if total_rows else {}
+    return writer.commit(extra=extra, wall_time_s=time.time() - started)
+
+
+def _who(config: ScoreConfig) -> str:
+    return "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
+
+
+def _marker(config: ScoreConfig, key: str, worker: int) -> Path:
+    return config.output / f".score-worker-{worker}-of-{config.worker_count}.{key[:16]}.done"
+
+
+def _prepare_worker_dir(config: ScoreConfig, key: str, names: list[str], mine: list[str]) -> None:
+    """Drop this worker's marker, its old shards and shards no worker of this run writes, so
+    whatever is present when the last worker commits was written for these inputs."""
+    _marker(config, key, config.worker_index).unlink(missing_ok=True)
+    keep = set(names) - set(mine)
+    for p in config.output.glob("part-*.parquet"):
+        if p.name not in keep:
+            p.unlink(missing_ok=True)
+
+
+def _finish_worker(writer: ArtifactWriter, config: ScoreConfig, key: str, names: list[str],
+                   written: list, started: float) -> Manifest:
+    """Mark this worker done; the worker that sees every marker and every shard commits."""
+    _marker(config, key, config.worker_index).touch()
+    markers = [_marker(config, key, i) for i in range(config.worker_count)]
+    present = {p.name for p in config.output.glob("part-*.parquet")}
+    if all(m.exists() for m in markers) and present == set(names):
+        manifest = _commit(writer, config, names, started)
+        for m in markers:
+            m.unlink(missing_ok=True)
+        return manifest
+    return Manifest(kind="table", schema_name=SCORES.name, schema_version=SCORES.version,
+                    rows=sum(f.rows or 0 for f in written), files=written, content_hash=content_hash(written),
+                    stage=STAGE, config=config.resolved(), inputs=writer.inputs, cache_key=key,
+                    extra={"partial": True, "worker_index": config.worker_index,
+                           "worker_count": config.worker_count},
+                    wall_time_s=time.time() - started)
+
+
+class _progress:
+    """A transient rich progress bar on stderr; `with _progress(desc, total) as advance:`."""
+
+    def __init__(self, description: str, total: int):
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self._bar = Progress(console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self):
+        self._bar.__enter__()
+        return lambda: self._bar.advance(self._task)
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.__exit__(*exc)

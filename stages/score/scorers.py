@@ -1,0 +1,176 @@
+"""Reward components as plug-ins: a registry maps a component `type` to a scorer factory.
+
+A factory takes the component's config and returns a scorer: a function from the rows of one
+shard (`Rows`) to one float per row. Every scorer's output is checked (count, finite) by
+`run_scorer`, and every failure is a `ScoreError` naming the component, the shard and the row.
+
+Adding a component type: write a config class in config.py (with a new `type` literal) and
+`@register("<type>")` a factory here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlpipe.stages.score import verifiers as V
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The columns of one rollouts shard that scorers read."""
+
+    shard: Path
+    prompts: list[str]
+    responses: list[str]
+    answers: list[str | None]
+    lengths: np.ndarray
+    """Response lengths in tokens, (N,) int."""
+    group_ids: list[int]
+    sample_indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    def where(self, i: int) -> str:
+        return f"row {i} (group_id={self.group_ids[i]}, sample_index={self.sample_indices[i]})"
+
+
+class ScoreError(RuntimeError):
+    """A component failed or returned bad values; the message names component, shard and row."""
+
+    def __init__(self, component: Any, shard: Path | str | None, where: str, what: str):
+        at = f"{shard}, {where}: " if shard is not None else (f"{where}: " if where else "")
+        super().__init__(f"reward component {component.name!r} ({component.type}): {at}{what}")
+
+
+Scorer = Callable[[Rows], Sequence[float]]
+SCORERS: dict[str, Callable[[Any], Scorer]] = {}
+
+
+def register(type_name: str) -> Callable[[Callable[[Any], Scorer]], Callable[[Any], Scorer]]:
+    """Register a scorer factory for component type `type_name` (twice is an error)."""
+
+    def deco(factory: Callable[[Any], Scorer]) -> Callable[[Any], Scorer]:
+        if type_name in SCORERS:
+            raise ValueError(f"reward component type {type_name!r} is already registered")
+        SCORERS[type_name] = factory
+        return factory
+
+    return deco
+
+
+def build_scorer(component: Any) -> Scorer:
+    """The scorer for one component config (dispatch through the registry)."""
+    try:
+        factory = SCORERS[component.type]
+    except KeyError:
+        raise ValueError(f"unknown reward component type {component.type!r}; known: {sorted(SCORERS)}") from None
+    return factory(component)
+
+
+def run_scorer(component: Any, scorer: Scorer, rows: Rows) -> np.ndarray:
+    """Call `scorer` on `rows`; check one finite float per row. Returns (N,) float64."""
+    values = np.asarray(scorer(rows), dtype=np.float64)
+    if values.shape != (len(rows),):
+        raise ScoreError(component, rows.shard, "", f"returned {values.size} values for {len(rows)} rows")
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        i = int(bad[0])
+        raise ScoreError(component, rows.shard, rows.where(i), f"value {values[i]} is not finite")
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in components
+# ---------------------------------------------------------------------------------------------
+@register("answer_match")
+def answer_match_scorer(c: Any) -> Scorer:
+    def score(rows: Rows) -> list[float]:
+        out = []
+        for i, (response, answer) in enumerate(zip(rows.responses, rows.answers, strict=True)):
+            if answer is None:
+                if c.missing_answer == "error":
+                    raise ScoreError(c, rows.shard, rows.where(i),
+                                     "the rollout has no reference answer (set missing_answer: zero to score it 0)")
+                out.append(0.0)
+                continue
+            try:
+                out.append(V.answer_match(response, answer, c.mode, c.pattern, c.rel_tol, c.abs_tol))
+            except ValueError as e:
+                raise ScoreError(c, rows.shard, rows.where(i), str(e)) from None
+        return out
+
+    return score
+
+
+@register("regex_format")
+def regex_format_scorer(c: Any) -> Scorer:
+    return lambda rows: [V.regex_format(r, c.pattern, c.match) for r in rows.responses]
+
+
+@register("overlong")
+def overlong_scorer(c: Any) -> Scorer:
+    return lambda rows: V.overlong_penalty(rows.lengths, c.max_length, c.buffer)
+
+
+@register("reward_model")
+def reward_model_scorer(c: Any) -> Scorer:
+    from rlpipe.stages.common.models import load_model
+    from rlpipe.stages.reward_model.modeling import (
+        RewardCheckpointError,
+        check_reward_checkpoint,
+        score_texts,
+    )
+
+    try:
+        check_reward_checkpoint(c.checkpoint)
+    except RewardCheckpointError as e:
+        raise ScoreError(c, None, "", str(e)) from None
+    model, tokenizer = load_model(c.checkpoint, "reward")
+
+    def score(rows: Rows) -> np.ndarray:
+        return score_texts(model, tokenizer, rows.prompts, rows.responses,
+                           max_length=c.max_length, batch_size=c.batch_size).numpy()
+
+    return score
+
+
+@register("python")
+def python_scorer(c: Any) -> Scorer:
+    module_name, _, attr = c.function.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ScoreError(c, None, "", f"cannot import {c.function!r}: {e}") from None
+    if not callable(fn):
+        raise ScoreError(c, None, "", f"{c.function!r} is not callable")
+
+    def score(rows: Rows) -> list[float]:
+        out: list[float] = []
+        for a in range(0, len(rows), c.batch_size):
+            b = min(a + c.batch_size, len(rows))
+            try:
+                values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs)
+                values = list(values)
+            except Exception as e:  # a user function: report where, keep the original as cause
+                raise ScoreError(c, rows.shard, f"rows {a}..{b - 1}", f"{c.function} raised {type(e).__name__}: {e}") from e
+            if len(values) != b - a:
+                raise ScoreError(c, rows.shard, f"rows {a}..{b - 1}", f"{c.function} returned {len(values)} values for {b - a} rows")
+            for j, v in enumerate(values):
+                try:
+                    x = float(v)
+                except (TypeError, ValueError):
+                    raise ScoreError(c, rows.shard, rows.where(a + j), f"{c.function} returned {v!r}, not a number") from None
+                if not math.isfinite(x):
+                    raise ScoreError(c, rows.shard, rows.where(a + j), f"{c.function} returned {x}")
+                out.append(x)
+        return out
+
+    return score

@@ -1,0 +1,64 @@
+"""Small rollouts artifacts for the score tests, written directly (no rollout stage)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlpipe.schemas import ROLLOUTS, write_table_artifact
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8}
+
+
+def rollouts_table(prompts, responses, answers, lengths=None, group_size=2, finish_reasons=None):
+    """A rollouts table: row i is sample i % group_size of group i // group_size."""
+    n = len(responses)
+    lengths = lengths or [len(r.split()) + 1 for r in responses]
+    return {
+        "run": ["test"] * n,
+        "iteration": [0] * n,
+        "policy_version": [0] * n,
+        "prompt_id": [f"p{i // group_size}" for i in range(n)],
+        "group_id": [i // group_size for i in range(n)],
+        "sample_index": [i % group_size for i in range(n)],
+        "prompt": list(prompts),
+        "prompt_token_ids": [[1, 5, 6]] * n,
+        "answer": list(answers),
+        "response": list(responses),
+        "response_token_ids": [[7] * k for k in lengths],
+        "response_logprobs": [[-0.5] * k for k in lengths],
+        "finish_reason": finish_reasons or ["stop"] * n,
+        "sampling": [SAMPLING] * n,
+        "engine": ["transformers"] * n,
+        "seed": [0] * n,
+    }
+
+
+def write_rollouts(path, table, rows_per_shard=None):
+    return write_table_artifact(path, ROLLOUTS, table, stage="test", shard_by="group_id",
+                                rows_per_shard=rows_per_shard)
+
+
+@pytest.fixture
+def arith_rollouts(tmp_path):
+    """24 rollouts (12 groups of 2) of 'Q: a+b= A:' in 4 shards; every third answer wrong."""
+    prompts, responses, answers = [], [], []
+    for i in range(24):
+        a, b = i % 7, i % 5
+        prompts.append(f"Q: {a}+{b}= A:")
+        responses.append(f" {a + b + (1 if i % 3 == 0 else 0)}")
+        answers.append(str(a + b))
+    path = tmp_path / "rollouts"
+    write_rollouts(path, rollouts_table(prompts, responses, answers, lengths=[1 + i % 9 for i in range(24)]),
+                   rows_per_shard=6)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models on a shared 2-core machine: one intra-op thread beats two competing ones.
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

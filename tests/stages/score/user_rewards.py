@@ -1,0 +1,23 @@
+"""User reward functions for the score tests (imported by path `user_rewards:<name>`)."""
+
+import math
+
+
+def length_bonus(prompts, responses, answers, scale=1.0):
+    return [scale * len(r) for r in responses]
+
+
+def raises(prompts, responses, answers):
+    raise ZeroDivisionError("boom")
+
+
+def returns_nan_at_3(prompts, responses, answers):
+    return [math.nan if i == 3 else 0.0 for i in range(len(responses))]
+
+
+def returns_too_few(prompts, responses, answers):
+    return [0.0] * (len(responses) - 1)
+
+
+def nan_for_prompt(prompts, responses, answers, prompt):
+    return [math.nan if p == prompt else 1.0 for p in prompts]
