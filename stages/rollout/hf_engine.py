@@ -109,7 +109,7 @@ class _RowDecoder:
 
     def step(self, tokens: list[int], logps: list[float]) -> bool:
         """Record one sampled token per unfinished row; True when every row has finished."""
-        for b, (tok, lp) in enumerate(zip(tokens, logps)):
+        for b, (tok, lp) in enumerate(zip(tokens, logps, strict=True)):
             if self.reason[b] is not None:
                 continue
             self.tokens[b].append(tok)

@@ -79,7 +79,7 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
                 t0 = time.perf_counter()
                 samples = engine.generate([token_ids[g] for g in ids], seeds, params)
                 gen_s += time.perf_counter() - t0
-                for g, seed, group in zip(ids, seeds, samples):
+                for g, seed, group in zip(ids, seeds, samples, strict=True):
                     n_tokens += sum(len(s.token_ids) for s in group)
                     _append_group(rows, config, g, groups[g], token_ids[g], seed, group)
                 advance(len(ids))

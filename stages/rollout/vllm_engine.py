@@ -131,6 +131,6 @@ def _sample(completion: Any) -> Sample:
         raise RuntimeError(f"vLLM request ended with finish_reason {completion.finish_reason!r}")
     tokens = list(completion.token_ids)
     # logprobs[t] maps token id -> Logprob; with logprobs=0 it holds just the sampled token.
-    logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens)]
+    logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens, strict=True)]
     return Sample(token_ids=tokens, logprobs=logprobs, text=completion.text,
                   finish_reason=completion.finish_reason)

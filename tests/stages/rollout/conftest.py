@@ -8,7 +8,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from rlpipe.schemas import PROMPTS, ROLLOUTS, read_manifest, read_table_artifact, validate_artifact, write_table_artifact
+from rlpipe.schemas import (
+    PROMPTS,
+    ROLLOUTS,
+    read_manifest,
+    read_table_artifact,
+    validate_artifact,
+    write_table_artifact,
+)
 
 
 def prompt_rows(n: int) -> dict[str, list]:
@@ -58,7 +65,7 @@ def check_rollouts(path: Path, checkpoint: Path, *, group_size: int, max_new_tok
     model, tok = load_model(checkpoint)
     ref = teacher_forced_logprobs(model, [r["prompt_token_ids"] for r in rows],
                                   [r["response_token_ids"] for r in rows], pad_id=tok.pad_token_id)
-    for r, expected in zip(rows, ref):
+    for r, expected in zip(rows, ref, strict=True):
         assert len(r["response_logprobs"]) == len(r["response_token_ids"]) >= 1
         np.testing.assert_allclose(r["response_logprobs"], expected, atol=1e-4, rtol=0)
 
@@ -81,12 +88,14 @@ def check_rollouts(path: Path, checkpoint: Path, *, group_size: int, max_new_tok
                 # the stop string ends in the last token: without it the text has none
                 assert not any(s in tok.decode(ids[:-1], skip_special_tokens=True) for s in stop)
                 counts["stop_string"] += 1
-                if exact_text:
-                    assert r["response"] == full[: min(hits)]
+                cut = full[: min(hits)]
+                assert r["response"] == cut if exact_text else cut.startswith(r["response"])
             assert len(ids) <= max_new_tokens
         assert not any(s in r["response"] for s in stop)
-        if exact_text and not hits:
-            assert r["response"] == full
+        if not hits:
+            # vLLM's incremental detokenizer holds back a trailing incomplete UTF-8 sequence (random
+            # models emit stray bytes), so its text may be a prefix of the full decode.
+            assert r["response"] == full if exact_text else full.startswith(r["response"])
     return counts
 
 

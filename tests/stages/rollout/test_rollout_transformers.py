@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.schemas import ConfigError, read_manifest, read_table_artifact, load_config
+from rlpipe.schemas import ConfigError, load_config, read_manifest, read_table_artifact
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.rollout.run import run
 
