@@ -80,17 +80,21 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
 
     # Old log-probs: recomputed with the training engine on exactly the micro-batches of epoch 0
     # (same packing, no dropout), so the first step's ratio is exactly 1.
+    timing = {"setup_s": time.time() - started}
+    mark = time.perf_counter()
     if config.recompute_old_logprobs:
         old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0], pad_id, d.world_size)
     else:
         old_logp = dict(enumerate(batch.rollout_logp))
     rows = _batch_metrics(batch, old_logp, config.recompute_old_logprobs)
+    timing["old_logprobs_s"] = time.perf_counter() - mark
 
     obj = PolicyObjective(loss=config.loss, eps_low=config.eps_low, eps_high=config.eps_high,
                           dual_clip=config.dual_clip, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
                           kl_beta=config.kl_beta, entropy_coef=config.entropy_coef)
     step, stopped = 0, False
     total_steps = sum(len(s) for s in schedules)
+    mark, trained_tokens = time.perf_counter(), 0.0
     with _progress(d.rank == 0, total_steps) as advance:
         for epoch, steps in enumerate(schedules):
             for micro_batches in steps:
@@ -98,16 +102,20 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
                 stats = _train_step(E, pol, crit, batch, micro_batches, old_logp, obj, config, pad_id, max_len)
                 stats["epoch"] = float(epoch)
                 rows += [(step, name, value) for name, value in sorted(stats.items())]
+                trained_tokens += stats["tokens"]
                 advance()
                 if config.kl_target is not None and stats["approx_kl"] > config.kl_target:
                     stopped = True
                     break
             if stopped:
                 break
+    # Timings go to the manifests' `extra` (not the metrics table, whose content hash is reproducible).
+    timing["loop_s"] = time.perf_counter() - mark
+    timing["tokens_per_s"] = trained_tokens / timing["loop_s"]
     rows.append((0, "steps", float(step)))
     rows.append((0, "early_stopped", float(stopped)))
 
-    manifest = _save(E, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started)
+    manifest = _save(E, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing)
     pol.destroy()
     if crit is not None:
         crit.destroy()
@@ -248,7 +256,7 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
 
 def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
           rows: list[tuple[int, str, float]], pol: Any, crit: Any, tokenizer: Any, rank: int,
-          started: float) -> Manifest:
+          started: float, timing: dict[str, float]) -> Manifest:
     """Rank 0 writes metrics, then the critic, then the policy (its manifest last)."""
     resolved = config.resolved()
     if rank == 0:
@@ -268,7 +276,7 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
         copy = E.save_module(engine, tokenizer, out, rank)
         if rank == 0:
             commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
-                             extra={"metrics": summary, "kind": kind}, wall_time_s=time.time() - started)
+                             extra={"metrics": summary, "kind": kind, "timing": timing}, wall_time_s=time.time() - started)
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
     return read_manifest(config.output)

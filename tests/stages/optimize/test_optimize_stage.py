@@ -138,3 +138,26 @@ def test_bad_inputs_are_named(tmp_path, tiny_tokenizer, tiny_policy_dir, build, 
         run(make_config(tmp_path, arts, tiny_policy_dir, minibatch_size=12, micro_batch_size=4))
     with pytest.raises(ValueError, match="critic_output"):
         make_config(tmp_path, arts, tiny_policy_dir, critic=tiny_policy_dir)
+
+
+def test_cli_runs_from_yaml_and_accepts_the_deepspeed_launchers_local_rank(tmp_path, artifacts, tiny_policy_dir,
+                                                                          make_config, read_metrics):
+    import yaml
+
+    from rlpipe.stages.optimize.__main__ import main
+
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, "cli", minibatch_size=16, micro_batch_size=16)
+    path = tmp_path / "optimize.yaml"
+    path.write_text(yaml.safe_dump(cfg.resolved()))
+    assert main(["-c", str(path), "--local_rank=0", "epochs=2"]) == 0
+    m = read_metrics(cfg.metrics_output)
+    assert m[0]["steps"] == 2.0 and read_manifest(cfg.output).config["epochs"] == 2
+    assert main(["-c", str(path), "loss=nope"]) == 2  # config errors answer before any work
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, minibatch_size=8, micro_batch_size=4, dtype="auto")
+    run(cfg)
+    m = read_metrics(cfg.metrics_output)
+    assert m[1]["ratio_min"] == 1.0 and m[1]["ratio_max"] == 1.0
