@@ -161,3 +161,28 @@ def test_bf16_on_cuda(tmp_path, artifacts, tiny_policy_dir, make_config, read_me
     run(cfg)
     m = read_metrics(cfg.metrics_output)
     assert m[1]["ratio_min"] == 1.0 and m[1]["ratio_max"] == 1.0
+
+
+def test_early_stop_on_approx_kl_target(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, lr=3e-3, epochs=3, minibatch_size=8,
+                      micro_batch_size=8, kl_target=1e-9)
+    run(cfg)
+    m = read_metrics(cfg.metrics_output)
+    # step 1 has approx KL 0 (rho == 1); step 2 exceeds the target and is the last
+    assert m[0]["steps"] == 2.0 and m[0]["early_stopped"] == 1.0 and 3 not in m
+    assert m[2]["approx_kl"] > 1e-9
+
+
+def test_gradient_checkpointing_and_zero1_give_the_same_update(tmp_path, artifacts, tiny_policy_dir, make_config,
+                                                              read_metrics):
+    from safetensors.torch import load_file
+
+    outs = {}
+    for name, kw in {"plain": {}, "ckpt": {"gradient_checkpointing": True}, "zero1": {"zero_stage": 1}}.items():
+        cfg = make_config(tmp_path, artifacts, tiny_policy_dir, name, minibatch_size=8, micro_batch_size=4, **kw)
+        run(cfg)
+        outs[name] = load_file(cfg.output / "model.safetensors")
+        assert read_metrics(cfg.metrics_output)[1]["ratio_max"] == 1.0
+    for name in ("ckpt", "zero1"):
+        for k, v in outs["plain"].items():
+            assert (outs[name][k] - v).abs().max().item() <= 1e-5, (name, k)
