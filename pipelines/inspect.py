@@ -107,7 +107,7 @@ def table_stats(lf: pl.LazyFrame) -> dict[str, Any]:
 def metric_summary(lf: pl.LazyFrame) -> pl.DataFrame:
     """Per (stage, name) of a metrics artifact: count, last value (highest iteration, step), min, max."""
     return (
-        lf.sort("iteration", "step")
+        lf.sort("iteration", "step", maintain_order=True)
         .group_by("stage", "name", maintain_order=True)
         .agg(pl.len().alias("count"), pl.col("value").last().alias("last"),
              pl.col("value").min().alias("min"), pl.col("value").max().alias("max"))
@@ -314,7 +314,7 @@ def run_summary(run_dir: Path, metrics: Sequence[str] = ()) -> pl.DataFrame:
             pl.when(pl.col("artifact") == "metrics").then(pl.col("name"))
             .otherwise(pl.col("artifact") + "/" + pl.col("name")).alias("label")
         )
-        last = (long.sort("iteration_dir", "step").group_by("iteration_dir", "label")
+        last = (long.sort("iteration_dir", "step", maintain_order=True).group_by("iteration_dir", "label")
                 .agg(pl.col("value").last()).collect())
         labels = set(last["label"].to_list())
         wanted = [n for n in DEFAULT_METRICS if n in labels]
