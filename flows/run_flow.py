@@ -1,0 +1,73 @@
+"""Prefect flows: a whole run, and one stage on saved artifacts.
+
+Thin wrappers: the pipeline (`rlpipe.pipelines.runner.Pipeline`) decides what runs; here every
+stage call becomes a Prefect task (retried where a retry can help), tasks pass configs and
+manifests (paths and hashes, never tensors), and every iteration publishes a markdown table as a
+Prefect artifact. Stages run in this process, so models stay warm between iterations.
+
+By default the flow runs on Prefect's temporary local API; with `PREFECT_API_URL` set it runs
+under that server (and its UI shows the tasks and the per-iteration tables).
+"""
+
+from __future__ import annotations
+
+from rlpipe.flows.settings import configure
+
+configure()
+
+from pathlib import Path  # noqa: E402
+
+from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.cache_policies import NONE  # noqa: E402
+
+from rlpipe.pipelines.preset import Preset  # noqa: E402
+from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
+from rlpipe.schemas import Manifest  # noqa: E402
+from rlpipe.schemas.config import StageConfig  # noqa: E402
+
+#: Retries per stage: generation and scoring can hit transient engine/worker failures; a failed
+#: optimisation step is not retried blindly (a deterministic error would just repeat).
+RETRIES = {"rollout": 1, "score": 1, "reference": 1, "evaluate": 1}
+
+
+@task(cache_policy=NONE, persist_result=False)
+def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
+    """Run one stage in this process; skipped by the stage itself when its cache key matches."""
+    return run_stage(name, config, force=force)
+
+
+def _call(name: str, config: StageConfig) -> Manifest:
+    task_name = f"{name}-iter{getattr(config, 'iteration', '')}" if hasattr(config, "iteration") else name
+    return stage_task.with_options(name=task_name, retries=RETRIES.get(name, 0), retry_delay_seconds=2)(name, config)
+
+
+def _publish(run: str, record: IterationRecord) -> None:
+    rows = [f"| {k} | {v:.4g} |" for k, v in record.metrics.items()]
+    rows += [f"| seconds_{k} | {v:.3f} |" for k, v in record.seconds.items()]
+    create_markdown_artifact(
+        key=f"{run.lower().replace('_', '-').replace('.', '-')}-iter-{record.iteration:04d}",
+        markdown="\n".join([f"### {run}: iteration {record.iteration + 1}", "", "| metric | value |",
+                            "|---|---|", *rows]),
+        description=f"rlpipe {run} iteration {record.iteration + 1}",
+    )
+
+
+@flow(name="rlpipe-run", log_prints=True)
+def run_flow(preset: Preset, run_dir: str | None = None) -> str:
+    """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
+    logger = get_run_logger()
+    pipeline = Pipeline(preset, run_dir, call=_call, log=logger.info,
+                        on_iteration=lambda r: _publish(Path(run_dir or preset.name).name, r))
+    pipeline.run()
+    return str(pipeline.layout.root)
+
+
+@flow(name="rlpipe-stage", log_prints=True)
+def stage_flow(name: str, config: dict, force: bool = False) -> dict:
+    """Run one stage on saved artifacts (config as the stage's YAML would give it)."""
+    from rlpipe.pipelines.runner import stage_config
+
+    manifest = stage_task.with_options(name=name, retries=RETRIES.get(name, 0))(
+        name, stage_config(name, config, "flow parameter"), force=force)
+    return {"stage": name, "content_hash": manifest.content_hash, "rows": manifest.rows}
