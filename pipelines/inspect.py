@@ -265,7 +265,7 @@ def run_summary(run_dir: Path, metrics: Sequence[str] = ()) -> pl.DataFrame:
     """One row per iteration of a run with whatever its artifacts hold.
 
     Columns (those that can be computed): iteration, artifacts (complete ones; incomplete ones
-    marked '!'), wall_s (sum of the stages' wall times), rollouts, groups, reward_mean,
+    marked '!'), wall_s (sum over stages of their longest artifact wall time), rollouts, groups, reward_mean,
     reward_std, response_len_mean, truncated (fraction finished by 'length'), then the last value
     of each metric in DEFAULT_METRICS (or `metrics`) logged by a metrics artifact in the iteration.
     """
@@ -273,17 +273,19 @@ def run_summary(run_dir: Path, metrics: Sequence[str] = ()) -> pl.DataFrame:
     iters = iteration_dirs(run_dir)
     rows = []
     for k, d in iters:
-        complete, incomplete, wall = [], [], 0.0
+        complete, incomplete, wall = [], [], {}
         for art in sorted(p for p in d.iterdir() if p.is_dir()):
             if (art / MANIFEST_NAME).is_file():
                 complete.append(art.name)
                 try:
-                    wall += read_manifest(art).wall_time_s
+                    m = read_manifest(art)
                 except ArtifactError:
-                    pass
+                    continue
+                # a stage writing several artifacts (optimize: policy, critic, metrics) counts once
+                wall[m.stage] = max(wall.get(m.stage, 0.0), m.wall_time_s)
             else:
                 incomplete.append(art.name + "!")
-        rows.append({"iteration": k, "artifacts": " ".join(complete + incomplete), "wall_s": wall})
+        rows.append({"iteration": k, "artifacts": " ".join(complete + incomplete), "wall_s": sum(wall.values())})
     out = pl.DataFrame(rows, schema={"iteration": pl.Int32, "artifacts": pl.String, "wall_s": pl.Float64})
     by_schema = _artifacts_by_schema(iters)
 

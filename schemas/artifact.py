@@ -335,6 +335,8 @@ def write_table_artifact(
     stage: str,
     shard_by: str | None = None,
     rows_per_shard: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    wall_time_s: float | None = None,
     **writer_kwargs: Any,
 ) -> Manifest:
     """Write a whole table as an artifact in one call.
@@ -342,13 +344,15 @@ def write_table_artifact(
     Args:
         shard_by: a column whose equal values must stay in one shard (e.g. 'group_id').
         rows_per_shard: target shard size; shards end on a `shard_by` value boundary.
+        extra: stage-specific summary recorded in the manifest.
+        wall_time_s: the stage's wall time (default: the time this call took).
     """
     writer = ArtifactWriter(path, schema, stage=stage, **writer_kwargs)
     if not isinstance(table, pa.Table):
         table = conform(table, writer.arrow_schema, str(path))
     for i, part in enumerate(split_rows(table, shard_by, rows_per_shard)):
         writer.write_shard(part, index=i)
-    return writer.commit()
+    return writer.commit(extra=extra, wall_time_s=wall_time_s)
 
 
 def split_rows(table: pa.Table, shard_by: str | None, rows_per_shard: int | None) -> Iterator[pa.Table]:

@@ -169,6 +169,16 @@ def test_inspect_run_dir(run_dir):
     assert r.exit_code == 1 and "does not exist" in r.output
 
 
+def test_run_summary_wall_time_counts_each_stage_once(tmp_path):
+    it = tmp_path / "iter_0000"
+    write_table_artifact(it / "rollouts", ROLLOUTS, example_table(ROLLOUTS, 4), stage="rollout", wall_time_s=2.0)
+    write_table_artifact(it / "metrics", METRICS, _metrics(0, [1.0]), stage="optimize", wall_time_s=3.0)
+    (it / "policy").mkdir()
+    (it / "policy" / "config.json").write_text("{}")
+    commit_directory(it / "policy", stage="optimize", wall_time_s=5.0)
+    assert run_summary(tmp_path)["wall_s"].to_list() == [7.0]
+
+
 def test_inspect_run_with_only_rollouts(tmp_path):
     write_table_artifact(tmp_path / "iter_0000" / "rollouts", ROLLOUTS, example_table(ROLLOUTS, 4), stage="rollout")
     df = run_summary(tmp_path)
