@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -43,7 +43,7 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 @app.command()
 def schema(
-    name: Annotated[Optional[str], typer.Argument(help="Schema name; omit to list all schemas.")] = None,  # noqa: UP045
+    name: Annotated[str | None, typer.Argument(help="Schema name; omit to list all schemas.")] = None,
 ) -> None:
     """List the artifact schemas, or print one schema's columns with their documentation."""
     from rich.table import Table
@@ -76,7 +76,7 @@ def schema(
 @app.command()
 def validate(
     path: Annotated[Path, typer.Argument(help="Artifact directory (the one holding _manifest.json).")],
-    schema_name: Annotated[Optional[str], typer.Option(  # noqa: UP045
+    schema_name: Annotated[str | None, typer.Option(
         "--schema", "-s", help="Expected schema (default: the one the manifest names).")] = None,
 ) -> None:
     """Check an artifact: manifest, file hashes, stray shards, every shard's schema and nulls.
@@ -106,7 +106,7 @@ def validate(
 def inspect(
     path: Annotated[Path, typer.Argument(help="A table artifact, a checkpoint artifact or a run directory.")],
     rows: Annotated[int, typer.Option("--rows", "-n", min=0, help="Sample rows to show (table artifacts).")] = 3,
-    metric: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+    metric: Annotated[list[str] | None, typer.Option(
         "--metric", "-m", help="Extra metric to show per iteration (run directories); repeatable.")] = None,
 ) -> None:
     """Summarise an artifact (rows, schema, statistics, sample rows) or a run (one row per iteration)."""
@@ -125,7 +125,7 @@ def inspect(
 )
 def stage(
     ctx: typer.Context,
-    name: Annotated[Optional[str], typer.Argument(help="Stage name.")] = None,  # noqa: UP045
+    name: Annotated[str | None, typer.Argument(help="Stage name.")] = None,
 ) -> None:
     """Run one stage on saved artifacts: rlpipe stage NAME [-c FILE] [key=value ...] [--force].
 
