@@ -2,13 +2,16 @@
 
 Alignment: `response_token_ids` and `response_logprobs` have the same length T_i (the number of
 generated tokens, EOS included when the response stopped on it). All samples of one group
-(`group_id`) live in the same shard.
+(`group_id`) live in the same shard; rows are ordered by (group_id, sample_index) within a shard.
+Written by `rlpipe.stages.rollout` (engines 'transformers' and 'vllm'); the stop strings and stop
+token ids used are in the manifest's `config` (`stop`, `stop_token_ids`).
 """
 
 import pyarrow as pa
 
 from rlpipe.schemas.columns import LOGPROBS, TOKEN_IDS, ArtifactSchema, Column
 
+#: temperature (0 = greedy), top_p (1 = off), top_k (0 = off), max_new_tokens.
 SAMPLING = pa.struct(
     [
         pa.field("temperature", pa.float32()),
@@ -45,11 +48,17 @@ ROLLOUTS = ArtifactSchema(
             "Reference answer copied from the prompts artifact, for verifiers; null if none.",
             nullable=True,
         ),
-        Column("response", pa.string(), "Decoded response text (special tokens skipped, stop string cut)."),
+        Column(
+            "response",
+            pa.string(),
+            "Decoded response text: special tokens skipped, cut before the stop string that ended it "
+            "(vLLM may also hold back a trailing incomplete UTF-8 sequence).",
+        ),
         Column(
             "response_token_ids",
             TOKEN_IDS,
-            "Generated token ids, T_i of them; includes EOS when generation stopped on it.",
+            "Generated token ids, T_i of them; includes the token that ended the response (EOS, a "
+            "stop token id, or the token that completed a stop string).",
         ),
         Column(
             "response_logprobs",
@@ -60,7 +69,12 @@ ROLLOUTS = ArtifactSchema(
         Column("finish_reason", pa.string(), "'stop' (EOS, stop id or stop string) or 'length' (hit max_new_tokens)."),
         Column("sampling", SAMPLING, "Sampling parameters used for this response."),
         Column("engine", pa.string(), "Generation engine: 'transformers' or 'vllm'."),
-        Column("seed", pa.int64(), "Seed the group was sampled with (derived from the stage seed and group_id)."),
+        Column(
+            "seed",
+            pa.int64(),
+            "Seed the group was sampled with: derived from (stage seed, iteration, group_id) by "
+            "rlpipe.stages.rollout.core.group_seed, so it does not depend on batches, shards or workers.",
+        ),
     ),
     key=("iteration", "group_id", "sample_index"),
 )

@@ -54,6 +54,8 @@ class Engine(Protocol):
     """A Hugging Face tokenizer of the checkpoint (prompts are tokenised with it)."""
     context_length: int
     """Maximum prompt + response length in tokens."""
+    start_s: float
+    """Seconds the engine took to start (load the model, start vLLM); after `generate` for lazy ones."""
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  params: SamplingSpec) -> list[list[Sample]]:

@@ -12,6 +12,7 @@ token sits at the position it has in an unpadded forward pass.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ class TransformersEngine:
         from rlpipe.stages.common.models import load_model
 
         transformers.utils.logging.disable_progress_bar()
+        started = time.perf_counter()
         self.model, self.tokenizer = load_model(checkpoint)  # shared cache entry: read-only use
         self.device = _device(config.device)
         if next(self.model.parameters()).device != self.device:
@@ -51,6 +53,8 @@ class TransformersEngine:
         self.eos_ids = frozenset(eos_ids)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
+        self.start_s = time.perf_counter() - started
+        """Seconds spent loading the model (about 0 when the in-process cache had it)."""
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],

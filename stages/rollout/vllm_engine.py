@@ -57,7 +57,12 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, checkpoint: Path, config: Any):
+        import time
+
+        started = time.perf_counter()
         self._vllm = _import_vllm()
+        self.start_s = time.perf_counter() - started
+        """Seconds to import vLLM and, on the first `generate` of a cold engine, to start it."""
         from transformers import AutoTokenizer
 
         self.checkpoint = Path(checkpoint)
@@ -66,8 +71,6 @@ class VLLMEngine:
         model_cfg = json.loads((self.checkpoint / "config.json").read_text())
         self.context_length = int(config.max_model_len or model_cfg["max_position_embeddings"])
         self._check_head_dim(model_cfg)
-        self.start_s = 0.0
-        """Seconds spent starting the engine in this call (0 when it was already warm)."""
 
     def _check_head_dim(self, model_cfg: dict[str, Any]) -> None:
         from vllm.platforms import current_platform
@@ -104,7 +107,7 @@ class VLLMEngine:
                 enforce_eager=True, seed=c.seed, logprobs_mode="raw_logprobs",
                 distributed_executor_backend="uni" if tp == 1 else None,
             )
-            self.start_s = time.perf_counter() - started
+            self.start_s += time.perf_counter() - started
         return _LLM[key]
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],

@@ -96,6 +96,7 @@ def test_groups_do_not_depend_on_shard_size(tiny_policy_dir, prompts_dir, tmp_pa
     assert read_table_artifact(a.output).to_pylist() == read_table_artifact(b.output).to_pylist()
 
 
+@pytest.mark.slow  # two fresh processes import torch + transformers (~15-75 s on 2 busy cores)
 def test_two_worker_processes_equal_one(tiny_policy_dir, prompts_dir, tmp_path):
     one = config(tiny_policy_dir, prompts_dir, tmp_path / "one", groups_per_shard=3, batch_size=2)
     single = run(one)
@@ -146,3 +147,23 @@ def test_errors_are_clear(tiny_policy_dir, prompts_dir, tmp_path):
     except ImportError:
         with pytest.raises(RuntimeError, match="make vllm-env"):
             run(config(tiny_policy_dir, prompts_dir, tmp_path / "o4", engine="vllm"))
+
+
+def test_temperature_zero_is_greedy(tiny_policy_dir, prompts_dir, tmp_path):
+    """T=0 takes the argmax: the G samples of a group coincide, and each token is the policy's mode."""
+    import torch
+
+    from rlpipe.stages.common.models import load_model
+
+    cfg = config(tiny_policy_dir, prompts_dir, tmp_path / "r", temperature=0.0, num_prompts=3, max_new_tokens=5)
+    run(cfg)
+    rows = read_table_artifact(cfg.output).to_pylist()
+    model, _ = load_model(tiny_policy_dir)
+    for g in range(3):
+        group = [r for r in rows if r["group_id"] == g]
+        assert len({tuple(r["response_token_ids"]) for r in group}) == 1
+        seq = torch.tensor([group[0]["prompt_token_ids"] + group[0]["response_token_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0]
+        P, T = len(group[0]["prompt_token_ids"]), len(group[0]["response_token_ids"])
+        assert logits[P - 1 : P - 1 + T].argmax(-1).tolist() == group[0]["response_token_ids"]
