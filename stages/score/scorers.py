@@ -122,6 +122,8 @@ def overlong_scorer(c: Any) -> Scorer:
 
 @register("reward_model")
 def reward_model_scorer(c: Any) -> Scorer:
+    from transformers.utils import logging as hf_logging
+
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.reward_model.modeling import (
         RewardCheckpointError,
@@ -133,6 +135,7 @@ def reward_model_scorer(c: Any) -> Scorer:
         check_reward_checkpoint(c.checkpoint)
     except RewardCheckpointError as e:
         raise ScoreError(c, None, "", str(e)) from None
+    hf_logging.disable_progress_bar()  # no per-load "Loading weights" bar
     model, tokenizer = load_model(c.checkpoint, "reward")
 
     def score(rows: Rows) -> np.ndarray:
