@@ -20,7 +20,7 @@ class RewardModelConfig(StageConfig):
     initialised from `seed`) or a 1-label sequence-classification model."""
     output: Path
     """Directory of the trained reward-model checkpoint (Hugging Face format + `_manifest.json`)."""
-    metrics: Path | None = None
+    metrics_output: Path | None = None
     """Output `metrics` artifact (loss per step, held-out accuracy, reward mean/std);
     default: `<output>_metrics` beside the checkpoint."""
     run: str = "reward_model"

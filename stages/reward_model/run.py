@@ -34,8 +34,8 @@ STAGE = "reward_model"
 
 
 def metrics_path(config: RewardModelConfig) -> Path:
-    """Where the metrics artifact goes: `config.metrics`, or `<output>_metrics` beside it."""
-    return config.metrics or config.output.with_name(config.output.name + "_metrics")
+    """Where the metrics artifact goes: `config.metrics_output`, or `<output>_metrics` beside it."""
+    return config.metrics_output or config.output.with_name(config.output.name + "_metrics")
 
 
 def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
@@ -66,6 +66,9 @@ def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
     if table.num_rows == 0:
         raise ValueError(f"preferences artifact {config.preferences} has no rows")
     rank, world_size = E.init_distributed()
+    if rank == 0:  # the old outputs stop existing now: a killed run leaves nothing that looks complete
+        (config.output / MANIFEST_NAME).unlink(missing_ok=True)
+        (metrics_path(config) / MANIFEST_NAME).unlink(missing_ok=True)
     model, tokenizer = E.load_base(config.base, config.seed)
     prompts = table.column("prompt").to_pylist()
     margin = np.nan_to_num(table.column("margin").to_numpy(zero_copy_only=False).astype(np.float32), nan=0.0)
@@ -87,7 +90,6 @@ def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
     if rank == 0:
         out = config.output
         out.mkdir(parents=True, exist_ok=True)
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
         for stale in [*out.glob("*.safetensors"), *out.glob("*.bin"), *out.glob("*.safetensors.index.json")]:
             stale.unlink()
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
