@@ -57,13 +57,13 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
     shards = shard_ranges(len(groups), config.groups_per_shard)
     mine = worker_shards(len(shards), config.worker_index, config.worker_count)
 
+    engine = get_engine(config.engine)(config.checkpoint, config)
+    token_ids = _tokenize(engine, groups, config)
+    # Inputs are valid: only now does the old artifact stop existing (manifest removed first).
     writer = ArtifactWriter(config.output, ROLLOUTS, stage=STAGE, config=config.resolved(),
                             inputs=inputs, cache_key=key, clean=config.worker_index is None)
     if config.worker_index is not None:
         _prepare_worker_dir(config, key, len(shards))
-
-    engine = get_engine(config.engine)(config.checkpoint, config)
-    token_ids = _tokenize(engine, groups, config)
     params = SamplingSpec(
         group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
         top_k=config.top_k, max_new_tokens=config.max_new_tokens, stop=tuple(config.stop),
