@@ -10,7 +10,7 @@ seed, and cut into disjoint train / held-out splits, so the held-out accuracy me
 generalisation to unseen problems of the same distribution.
 
 Usage:
-    task = ArithmeticTask(max_operand=99, ops=("+",))
+    task = ArithmeticTask(a_range=(0, 99), b_range=(0, 99), ops=("+",))
     paths = write_task(run_dir / "task", task, n_train=4000, n_heldout=200, seed=0)
     texts = tokenizer_texts(task)             # for train_tokenizer
 """
@@ -36,18 +36,29 @@ class ArithmeticTask:
     """Difficulty knobs of the arithmetic task.
 
     Attributes:
-        min_operand: smallest operand (inclusive).
-        max_operand: largest operand (inclusive); 99 gives two-digit problems.
+        a_range: (lowest, highest) first operand, inclusive; (0, 99) gives two-digit numbers.
+        b_range: (lowest, highest) second operand, inclusive; (0, 9) makes '+' much easier
+            (units-digit table plus a carry into the copied tens digit).
         ops: operations to draw from: '+', '-' (a >= b, so answers stay non-negative), '*'.
+        zero_pad: write both operands with leading zeros to the width of the largest operand
+            ("07+35="): every digit then sits at a fixed position, which small models learn much
+            faster. Answers are never padded.
     """
 
-    min_operand: int = 0
-    max_operand: int = 99
+    a_range: tuple[int, int] = (0, 99)
+    b_range: tuple[int, int] = (0, 99)
     ops: tuple[Op, ...] = ("+",)
+    zero_pad: bool = False
+
+    @property
+    def width(self) -> int:
+        """Digits per operand in the prompt (0: no padding)."""
+        return len(str(max(self.a_range[1], self.b_range[1]))) if self.zero_pad else 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_operand <= self.max_operand:
-            raise ValueError(f"need 0 <= min_operand <= max_operand, got {self.min_operand}, {self.max_operand}")
+        for name, (lo, hi) in (("a_range", self.a_range), ("b_range", self.b_range)):
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {(lo, hi)}")
         unknown = [o for o in self.ops if o not in _APPLY]
         if unknown or not self.ops:
             raise ValueError(f"ops must be a non-empty subset of {sorted(_APPLY)}, got {self.ops}")
@@ -58,10 +69,12 @@ class Problem:
     a: int
     op: Op
     b: int
+    width: int = 0
+    """Operands are zero-padded to this many digits (0: no padding)."""
 
     @property
     def prompt(self) -> str:
-        return f"{self.a}{self.op}{self.b}="
+        return f"{self.a:0{self.width}d}{self.op}{self.b:0{self.width}d}=" if self.width else f"{self.a}{self.op}{self.b}="
 
     @property
     def answer(self) -> str:
@@ -79,11 +92,12 @@ class Problem:
 
 def all_problems(task: ArithmeticTask) -> list[Problem]:
     """Every problem the knobs allow, in a fixed order."""
-    operands = range(task.min_operand, task.max_operand + 1)
+    a_values = range(task.a_range[0], task.a_range[1] + 1)
+    b_values = range(task.b_range[0], task.b_range[1] + 1)
     return [
-        Problem(a, op, b)
+        Problem(a, op, b, task.width)
         for op in task.ops
-        for a, b in itertools.product(operands, operands)
+        for a, b in itertools.product(a_values, b_values)
         if not (op == "-" and a < b)
     ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from rlpipe.pipelines.tasks import (
     ArithmeticTask,
     Problem,
@@ -21,7 +22,7 @@ def test_answers_are_correct():
     assert Problem(23, "+", 45).answer == "68"
     assert Problem(45, "-", 23).answer == "22"
     assert Problem(7, "*", 8).text == "7*8=56"
-    task = ArithmeticTask(max_operand=12, ops=("+", "-", "*"))
+    task = ArithmeticTask(a_range=(0, 12), b_range=(0, 12), ops=("+", "-", "*"))
     for p in all_problems(task):
         a, b, ans = p.a, p.b, int(p.answer)
         assert ans == {"+": a + b, "-": a - b, "*": a * b}[p.op]
@@ -29,17 +30,19 @@ def test_answers_are_correct():
 
 
 def test_problem_count_follows_the_knobs():
-    assert len(all_problems(ArithmeticTask(max_operand=9))) == 100
-    assert len(all_problems(ArithmeticTask(max_operand=9, ops=("-",)))) == 55  # a >= b
-    assert len(all_problems(ArithmeticTask(min_operand=10, max_operand=19, ops=("+", "*")))) == 200
+    assert len(all_problems(ArithmeticTask(a_range=(0, 9), b_range=(0, 9)))) == 100
+    assert len(all_problems(ArithmeticTask(a_range=(0, 9), b_range=(0, 9), ops=("-",)))) == 55  # a >= b
+    assert len(all_problems(ArithmeticTask(a_range=(10, 19), b_range=(0, 9), ops=("+", "*")))) == 200
+    with pytest.raises(ValueError, match="b_range"):
+        ArithmeticTask(b_range=(5, 2))
     with pytest.raises(ValueError, match="ops"):
         ArithmeticTask(ops=("/",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="distinct problems"):
-        make_splits(ArithmeticTask(max_operand=9), 90, 20, seed=0)
+        make_splits(ArithmeticTask(a_range=(0, 9), b_range=(0, 9)), 90, 20, seed=0)
 
 
 def test_splits_are_disjoint_and_seeded():
-    task = ArithmeticTask(max_operand=49)
+    task = ArithmeticTask(a_range=(0, 49), b_range=(0, 49))
     train, held = make_splits(task, 1000, 200, seed=3)
     assert len(train) == 1000 and len(held) == 200
     assert not {p.prompt for p in train} & {p.prompt for p in held}
@@ -50,7 +53,7 @@ def test_splits_are_disjoint_and_seeded():
 
 
 def test_write_task_artifacts(tmp_path):
-    task = ArithmeticTask(max_operand=19)
+    task = ArithmeticTask(a_range=(0, 19), b_range=(0, 19))
     paths = write_task(tmp_path / "task", task, n_train=300, n_heldout=50, seed=0)
     train = read_table_artifact(paths["train"], PROMPTS).to_pylist()
     held = read_table_artifact(paths["heldout"], PROMPTS).to_pylist()
@@ -65,7 +68,7 @@ def test_write_task_artifacts(tmp_path):
     first = read_manifest(paths["train"]).content_hash
     write_task(tmp_path / "again", task, n_train=300, n_heldout=50, seed=0)
     assert read_manifest(tmp_path / "again" / "train").content_hash == first
-    assert read_manifest(paths["train"]).config["task"]["max_operand"] == 19
+    assert read_manifest(paths["train"]).config["task"]["a_range"] == [0, 19]
 
 
 def test_tokenizer_splits_every_character():
@@ -75,3 +78,12 @@ def test_tokenizer_splits_every_character():
     ids = tok("23+45=").input_ids
     assert tok.convert_ids_to_tokens(ids) == ["<|bos|>", "2", "3", "+", "4", "5", "="]
     assert tok.convert_ids_to_tokens(tok("7*8=56").input_ids)[1:] == list("7*8=56")
+
+
+def test_zero_padding_fixes_digit_positions():
+    task = ArithmeticTask(a_range=(0, 99), b_range=(0, 9), zero_pad=True)
+    assert task.width == 2
+    p = Problem(7, "+", 5, task.width)
+    assert (p.prompt, p.answer, p.prompt_id) == ("07+05=", "12", "07+05")
+    assert {len(q.prompt) for q in all_problems(task)} == {6}
+    assert ArithmeticTask().width == 0 and Problem(7, "+", 5).prompt == "7+5="

@@ -1,0 +1,64 @@
+"""Config of the sft stage (supervised warm start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlpipe.schemas.config import StageConfig
+
+
+class SFTConfig(StageConfig):
+    """Supervised fine-tuning warm start: next-token loss on prompt+answer text, trained with
+    DeepSpeed; writes a Hugging Face checkpoint and a `metrics` artifact with the loss curve."""
+
+    base: Path
+    """Checkpoint to start from (Hugging Face directory with tokenizer)."""
+    prompts: Path
+    """`prompts` artifact. Rows with an answer train on prompt+answer+EOS; rows whose answer is
+    null are plain text (the prompt column) and train on every token."""
+    output: Path
+    """Where to write the fine-tuned checkpoint (model + tokenizer + _manifest.json)."""
+    metrics_output: Path | None = None
+    """Where to write the `metrics` artifact (loss per step); None: `<output>_metrics` beside it."""
+    loss_on: Literal["answer", "all"] = "answer"
+    """Tokens that carry loss for rows with an answer: 'answer' = answer tokens + EOS only,
+    'all' = every token after BOS (prompt included)."""
+    epochs: float = Field(1.0, gt=0)
+    """Passes over the prompts (fractional allowed); ignored when max_steps is set."""
+    max_steps: int | None = Field(None, ge=1)
+    """Number of optimizer steps; overrides epochs when set."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per optimizer step, over all ranks (must divide by the world size)."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """Decay after warm-up: constant, linear to 0, or cosine to 0."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip (0 disables)."""
+    max_length: int = Field(128, ge=2)
+    """Sequences longer than this many tokens are truncated (from the right)."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage."""
+    seed: int = 0
+    """Seeds data order (and dropout, if any)."""
+    run: str = "sft"
+    """Run name recorded in the metrics rows."""
+    iteration: int = 0
+    """Iteration recorded in the metrics rows."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTConfig:
+        if self.output == self.base:
+            raise ValueError("output must differ from base (the base checkpoint is read, never overwritten)")
+        return self
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.metrics_output or self.output.with_name(self.output.name + "_metrics")

@@ -1,0 +1,118 @@
+"""Pure pieces of supervised fine-tuning: example encoding, batching, the masked loss, the schedule.
+
+Notation: a batch of B sequences right-padded to length L; `labels[b, i]` is the token to predict
+at position i (the input token i+1) or -100 where position i carries no loss. The loss is the
+token-mean cross-entropy over the labelled tokens of the *global* batch (all ranks):
+
+    L = (1 / N_global) * sum_{b,i: labels[b,i] != -100} -log p(labels[b,i] | tokens[b, :i+1])
+
+Each rank returns its own sum divided by N_global times the world size, because DeepSpeed averages
+gradients over ranks; so 1 rank x B sequences and 2 ranks x B/2 sequences give the same update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training sequence: token ids and, per token, whether it is a prediction target."""
+
+    input_ids: list[int]
+    target: list[bool]
+    """target[i]: token i carries loss (is predicted from tokens [0, i))."""
+
+    @property
+    def num_targets(self) -> int:
+        return sum(self.target)
+
+
+def encode_example(prompt_ids: Sequence[int], answer_ids: Sequence[int] | None, eos_id: int,
+                   max_length: int, loss_on: Literal["answer", "all"]) -> Example:
+    """Build one example from tokenised prompt (BOS included) and answer (None: plain text).
+
+    With an answer the sequence is prompt + answer + EOS; targets are the answer and EOS tokens
+    ('answer') or every token but the first ('all'). Plain text trains on every token but the
+    first. Truncated to `max_length` tokens from the right.
+    """
+    if answer_ids is None:
+        ids = list(prompt_ids)
+        target = [False] + [True] * (len(ids) - 1)
+    else:
+        ids = list(prompt_ids) + list(answer_ids) + [eos_id]
+        n_prompt = len(prompt_ids)
+        first = 1 if loss_on == "all" else n_prompt
+        target = [i >= first for i in range(len(ids))]
+    return Example(ids[:max_length], target[:max_length])
+
+
+def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad examples into (input_ids, attention_mask, labels), each (B, L).
+
+    labels[b, i] = input_ids[b, i+1] where token i+1 is a target, else -100 (the label is already
+    shifted, so the loss needs no shift).
+    """
+    B = len(examples)
+    L = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    labels = torch.full((B, L), IGNORE, dtype=torch.long)
+    for b, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids = torch.tensor(e.input_ids, dtype=torch.long)
+        input_ids[b, :n] = ids
+        attention_mask[b, :n] = 1
+        tgt = torch.tensor(e.target[1:], dtype=torch.bool)
+        labels[b, : n - 1] = torch.where(tgt, ids[1:], torch.full_like(ids[1:], IGNORE))
+    return input_ids, attention_mask, labels
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, num_global_targets: int,
+             world_size: int = 1) -> torch.Tensor:
+    """Summed target cross-entropy, normalised by the global target count (see module doc).
+
+    Shape:
+        logits (B, L, V), labels (B, L) -> scalar.
+    """
+    # L_rank = world_size * sum_{labelled} CE / N_global; DeepSpeed's mean over ranks undoes world_size.
+    ce = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return ce * world_size / max(num_global_targets, 1)
+
+
+def batch_schedule(n_examples: int, batch_size: int, num_steps: int, seed: int) -> list[np.ndarray]:
+    """Example indices of each step: epoch-wise random permutations (seeded), concatenated and cut
+    into `num_steps` batches of `batch_size` (the last epoch may be partial)."""
+    rng = np.random.default_rng(seed)
+    need = num_steps * batch_size
+    order = np.concatenate([rng.permutation(n_examples) for _ in range(math.ceil(need / n_examples))])
+    return [order[s * batch_size : (s + 1) * batch_size] for s in range(num_steps)]
+
+
+def num_steps(n_examples: int, batch_size: int, epochs: float, max_steps: int | None) -> int:
+    """Optimizer steps: max_steps if given, else ceil(epochs * n_examples / batch_size)."""
+    if max_steps is not None:
+        return max_steps
+    return max(1, math.ceil(epochs * n_examples / batch_size))
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: Literal["constant", "linear", "cosine"]) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,139 @@
+"""sft stage: fine-tune a causal LM on prompt+answer text (the pipeline's warm start).
+
+Reads a `prompts` artifact and a base checkpoint; writes a Hugging Face checkpoint (+ tokenizer,
++ `_manifest.json` written last) and a `metrics` artifact with the loss curve.
+
+    python -m rlpipe.stages.sft base=ckpt/base prompts=task/train output=runs/x/sft max_steps=300
+    torchrun --nproc_per_node 2 -m rlpipe.stages.sft -c sft.yaml       # 2 ranks, gloo on CPU
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rlpipe.schemas import (
+    METRICS,
+    PROMPTS,
+    InputRef,
+    Manifest,
+    cache_key,
+    cached_manifest,
+    commit_directory,
+    read_manifest,
+    read_table_artifact,
+    write_table_artifact,
+)
+from rlpipe.stages.sft.config import SFTConfig
+
+STAGE = "sft"
+
+
+def _checkpoint_input(path: Path) -> InputRef:
+    """Input reference of a checkpoint directory (its manifest's hash, or a file-listing hash)."""
+    from rlpipe.stages.common.models import checkpoint_key
+
+    return InputRef(path=str(path), content_hash=checkpoint_key(path))
+
+
+def run(config: SFTConfig, *, force: bool = False) -> Manifest:
+    import torch
+    import transformers
+    from rich.progress import Progress
+
+    from rlpipe.stages.common.models import load_model, remember
+    from rlpipe.stages.sft import core
+    from rlpipe.stages.sft import engine as ds
+
+    inputs = {"base": _checkpoint_input(config.base),
+              "prompts": read_manifest(config.prompts).as_input(config.prompts)}
+    key = cache_key(STAGE, config.resolved(), {k: v.content_hash for k, v in inputs.items()})
+    cached = cached_manifest(config.output, key)
+    if cached is not None and not force:
+        return cached
+    started = time.time()
+    transformers.utils.logging.disable_progress_bar()
+    rank, world = ds.ensure_distributed()
+
+    # Data: one example per prompts row (prompt+answer+EOS, or plain text when answer is null).
+    model, tokenizer = load_model(config.base, cache=False)
+    table = read_table_artifact(config.prompts, PROMPTS, columns=["prompt", "answer"])
+    prompts, answers = table.column("prompt").to_pylist(), table.column("answer").to_pylist()
+    if not prompts:
+        raise ValueError(f"{config.prompts}: the prompts artifact has no rows to train on")
+    prompt_ids = tokenizer(prompts).input_ids
+    answer_ids = [tokenizer(a, add_special_tokens=False).input_ids if a is not None else None for a in answers]
+    examples = [core.encode_example(p, a, tokenizer.eos_token_id, config.max_length, config.loss_on)
+                for p, a in zip(prompt_ids, answer_ids, strict=True)]
+    steps = core.num_steps(len(examples), config.batch_size, config.epochs, config.max_steps)
+    schedule = core.batch_schedule(len(examples), config.batch_size, steps, config.seed)
+
+    # Engine: fp32, AdamW, warm-up + decay, ZeRO stage from the config.
+    torch.manual_seed(config.seed)
+    model.train()
+    engine = ds.initialize(
+        model, lr=config.lr, weight_decay=config.weight_decay,
+        lr_lambda=lambda s: core.lr_factor(s, steps, config.warmup_steps, config.lr_schedule),
+        config=ds.ds_config(batch_size=config.batch_size, world_size=world,
+                            zero_stage=config.zero_stage, grad_clip=config.grad_clip),
+    )
+    micro = config.batch_size // world
+    rows: list[tuple[int, str, float]] = []
+    with Progress(transient=True, disable=rank != 0 or not sys.stderr.isatty()) as bar:
+        task = bar.add_task("sft", total=steps)
+        for step, idx in enumerate(schedule):
+            batch = [examples[i] for i in idx]
+            n_targets = sum(e.num_targets for e in batch)  # global: every rank sees the whole batch
+            input_ids, attention_mask, labels = core.collate(batch[rank * micro:(rank + 1) * micro],
+                                                             tokenizer.pad_token_id)
+            lr = engine.get_lr()[0]
+            logits = engine(input_ids=input_ids.to(engine.device),
+                            attention_mask=attention_mask.to(engine.device)).logits
+            loss = core.sft_loss(logits, labels.to(engine.device), n_targets, world)
+            engine.backward(loss)
+            engine.step()
+            # The logged loss is the global token-mean (sum of the ranks' parts / world).
+            loss_value = _mean_over_ranks(loss.detach(), world)
+            rows += [(step, "loss", loss_value), (step, "lr", lr), (step, "target_tokens", float(n_targets))]
+            bar.update(task, advance=1, description=f"sft loss {loss_value:.3f}")
+
+    # Checkpoint (manifest last), then the metrics artifact.
+    (config.output / "_manifest.json").unlink(missing_ok=True)
+    ds.save_hf(engine, tokenizer, config.output, rank=rank, zero_stage=config.zero_stage)
+    train_time = time.time() - started
+    losses = [v for _, n, v in rows if n == "loss"]
+    summary = {"steps": steps, "examples": len(examples), "world_size": world,
+               "first_loss": losses[0], "final_loss": losses[-1], "train_time_s": round(train_time, 3)}
+    manifest = None
+    if rank == 0:
+        write_table_artifact(
+            config.metrics_path, METRICS,
+            # Times stay out of the rows (they are in the manifests) so equal runs give equal content.
+            {"run": [config.run] * len(rows), "iteration": [config.iteration] * len(rows),
+             "stage": [STAGE] * len(rows), "step": [s for s, _, _ in rows],
+             "name": [n for _, n, _ in rows], "value": [v for _, _, v in rows]},
+            stage=STAGE, config=config.resolved(), inputs=inputs,
+        )
+        manifest = commit_directory(config.output, stage=STAGE, config=config.resolved(), inputs=inputs,
+                                    cache_key=key, extra=summary, wall_time_s=train_time)
+        if config.zero_stage < 3:  # keep the trained model warm for the next stage in this process
+            remember(config.output, "causal", engine.module.eval(), tokenizer)
+    engine.destroy()
+    _barrier(world)
+    return manifest if manifest is not None else read_manifest(config.output)
+
+
+def _mean_over_ranks(x, world: int) -> float:
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.all_reduce(x)
+    return float(x) / world
+
+
+def _barrier(world: int) -> None:
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.barrier()
