@@ -1,0 +1,40 @@
+"""Config of the evaluate stage: held-out prompts + checkpoint -> eval metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from rlpipe.schemas.config import StageConfig
+
+
+class EvaluateConfig(StageConfig):
+    """Greedy-decode every held-out prompt once with the checkpoint (the rollout stage with G=1,
+    temperature 0), score the responses against the reference answers (the score stage's
+    answer_match component) and write a `metrics` artifact: accuracy, mean reward, response length.
+    The eval rollouts and scores are kept in `<output>/rollouts` and `<output>/scores`."""
+
+    checkpoint: Path
+    """Policy checkpoint to evaluate (Hugging Face directory)."""
+    prompts: Path
+    """Held-out `prompts` artifact; every row needs an answer."""
+    output: Path
+    """Output `metrics` artifact directory (eval rollouts/scores go in subdirectories of it)."""
+    run: str = "run"
+    """Run name recorded in the rows."""
+    iteration: int = Field(0, ge=0)
+    """Iteration recorded in the rows (the policy version evaluated)."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Response length limit."""
+    match: Literal["exact", "numeric"] = "exact"
+    """answer_match mode: 'exact' (normalised string equality) or 'numeric' (last number)."""
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """Generation engine of the rollout stage."""
+    batch_size: int = Field(256, ge=1)
+    """Prompts per generate call."""
+    keep_rollouts: bool = True
+    """Keep the eval rollouts and scores artifacts (False: delete them once the metrics exist)."""
+    seed: int = 0
+    """Recorded (greedy decoding draws no random numbers)."""
