@@ -71,7 +71,8 @@ class RegexFormatComponent(_Component):
     pattern: str
     """Python regex; use inline flags such as (?s) or (?m) where needed."""
     match: Literal["search", "fullmatch"] = "search"
-    """'search': anywhere in the response; 'fullmatch': the whole (stripped) response."""
+    """'search': anywhere in the response; 'fullmatch': the whole response, as generated (leading
+    and trailing whitespace included: allow it with \\s* where it may occur)."""
 
     @field_validator("pattern")
     @classmethod

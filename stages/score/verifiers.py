@@ -71,9 +71,9 @@ def answer_match(response: str, answer: str, mode: str, pattern: str | None = No
 
 
 def regex_format(response: str, pattern: str, match: str = "search") -> float:
-    """1.0 if `response` matches `pattern` ('search' anywhere, 'fullmatch' the stripped text)."""
+    """1.0 if `response` matches `pattern` ('search': anywhere; 'fullmatch': the whole text)."""
     if match == "fullmatch":
-        return float(re.fullmatch(pattern, response.strip()) is not None)
+        return float(re.fullmatch(pattern, response) is not None)
     return float(re.search(pattern, response) is not None)
 
 

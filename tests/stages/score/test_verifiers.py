@@ -81,7 +81,10 @@ def test_regex_format_golden():
     assert regex_format(" 42 apples", r"^ \d+$") == 0.0
     assert regex_format("x <answer>5</answer> y", r"<answer>.*</answer>") == 1.0
     assert regex_format("x <answer>5</answer> y", r"<answer>.*</answer>", match="fullmatch") == 0.0
-    assert regex_format("  <answer>5</answer>\n", r"<answer>.*</answer>", match="fullmatch") == 1.0
+    assert regex_format("<answer>5</answer>", r"<answer>.*</answer>", match="fullmatch") == 1.0
+    assert regex_format(" 42", r" \d+", match="fullmatch") == 1.0  # whitespace is not stripped
+    assert regex_format(" 42\n", r" \d+", match="fullmatch") == 0.0
+    assert regex_format(" 42\n", r"\s*\d+\s*", match="fullmatch") == 1.0
 
 
 def test_combine_golden():
