@@ -30,6 +30,9 @@ class RewardModelComponent(_Component):
     """Sequences per forward pass."""
     max_length: int = Field(1024, ge=2)
     """Token budget of prompt + response; longer sequences keep their last tokens."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'. On cpu the model comes
+    from the in-process cache shared with other stages; on a GPU it is loaded for this run."""
 
 
 class AnswerMatchComponent(_Component):

@@ -122,6 +122,7 @@ def overlong_scorer(c: Any) -> Scorer:
 
 @register("reward_model")
 def reward_model_scorer(c: Any) -> Scorer:
+    import torch
     from transformers.utils import logging as hf_logging
 
     from rlpipe.stages.common.models import load_model
@@ -136,7 +137,12 @@ def reward_model_scorer(c: Any) -> Scorer:
     except RewardCheckpointError as e:
         raise ScoreError(c, None, "", str(e)) from None
     hf_logging.disable_progress_bar()  # no per-load "Loading weights" bar
-    model, tokenizer = load_model(c.checkpoint, "reward")
+    device = c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        model, tokenizer = load_model(c.checkpoint, "reward")
+    else:  # a private copy: cached models are shared and stay on the CPU
+        model, tokenizer = load_model(c.checkpoint, "reward", cache=False)
+        model.to(device)
 
     def score(rows: Rows) -> np.ndarray:
         return score_texts(model, tokenizer, rows.prompts, rows.responses,
