@@ -1,11 +1,18 @@
 """The reward-model stage end to end: DeepSpeed on CPU (gloo, fp32), synthetic preferences."""
 
 import polars as pl
+import pyarrow as pa
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlpipe.schemas import read_manifest, read_table_artifact, validate_artifact
+from rlpipe.schemas import (
+    PREFERENCES,
+    read_manifest,
+    read_table_artifact,
+    validate_artifact,
+    write_table_artifact,
+)
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.reward_model import engine
 from rlpipe.stages.reward_model.__main__ import main
@@ -143,3 +150,21 @@ def test_two_ranks_match_one(small_prefs, tiny_policy_dir, tmp_path):
     m2 = pl.from_arrow(read_table_artifact(tmp_path / "two_metrics")).sort("step", "name")
     assert m1["name"].to_list() == m2["name"].to_list() and m1["step"].max() == 4
     assert m2["value"].to_list() == pytest.approx(m1["value"].to_list(), rel=1e-4, abs=1e-5)
+
+
+def test_margin_column_enters_the_loss(tiny_reward_dir, tmp_path):
+    """With lr ~ 0 the held-out loss is the BT loss of the base model's rewards, margin included."""
+    table = synthetic_preferences(24, kind="keyword", seed=2)
+    table = table.set_column(4, "margin", pa.array([1.5] * 24, pa.float32()))
+    write_table_artifact(tmp_path / "prefs", PREFERENCES, table, stage="test")
+    _, held = split_pairs(table.column("pair_id").to_pylist(), 0.25, 0)
+    rows = table.take(held).to_pydict()
+    model, tok = load_model(tiny_reward_dir, "reward")
+    diff = (score_texts(model, tok, rows["prompt"], rows["chosen"], max_length=512, batch_size=64)
+            - score_texts(model, tok, rows["prompt"], rows["rejected"], max_length=512, batch_size=64))
+    for use_margin, m in ((True, 1.5), (False, 0.0)):
+        out = tmp_path / f"rm_{use_margin}"
+        run(_config(tmp_path / "prefs", tiny_reward_dir, out, epochs=1, lr=1e-12, use_margin=use_margin))
+        got = read_manifest(out).extra["eval_loss"]
+        # L = -mean log sigmoid(r_c - r_r - m)
+        assert got == pytest.approx(float(-torch.nn.functional.logsigmoid(diff - m).mean()), abs=1e-5)
