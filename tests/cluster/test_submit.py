@@ -1,0 +1,186 @@
+"""Rendering Slurm / Kubernetes jobs for a stage, and (slow) a real one-node Slurm cluster running
+a rendered 2-rank gloo all-reduce job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlpipe.cluster.submit import JobSpec, main, module_for, render_k8s, render_slurm
+
+
+def test_module_names():
+    assert module_for("optimize") == "rlpipe.stages.optimize"
+    assert module_for("reference") == "rlpipe.stages.advantage.reference_main"
+    assert module_for("smoke") == "rlpipe.cluster.smoke"
+    with pytest.raises(ValueError, match="unknown stage 'optimise'"):
+        JobSpec(stage="optimise")
+
+
+def test_slurm_srun_script(tmp_path):
+    text = render_slurm(JobSpec(stage="optimize", args=("-c", "/cfg/a b.yaml", "lr=1e-6"), nodes=2,
+                                gpus_per_node=8, workdir="/shared/rl", python="/venv/bin/python",
+                                partition="gpu"))
+    lines = text.splitlines()
+    for want in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "cd /shared/rl"):
+        assert want in lines, want
+    assert 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in lines
+    assert "RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in text
+    assert "/venv/bin/python -m rlpipe.stages.optimize -c '/cfg/a b.yaml' lr=1e-6" in text
+    assert "DS_ACCELERATOR" not in text  # GPUs: DeepSpeed picks CUDA
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # valid shell
+
+
+def test_slurm_torchrun_and_cpu_variants():
+    text = render_slurm(JobSpec(stage="sft", nodes=3, ranks_per_node=4, cpus_per_task=2, launcher="torchrun"))
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --cpus-per-task=8" in text
+    assert "torchrun --nnodes $SLURM_JOB_NUM_NODES --nproc_per_node 4 --node_rank $SLURM_NODEID" in text
+    assert "-m rlpipe.stages.sft" in text
+    assert "export DS_ACCELERATOR=cpu" in text and "export OMP_NUM_THREADS=2" in text
+    assert "--gpus-per-node" not in text
+
+
+def test_k8s_manifest():
+    docs = list(yaml.safe_load_all(render_k8s(JobSpec(
+        stage="optimize", args=("-c", "/runs/cfg.yaml"), nodes=2, gpus_per_node=8,
+        image="reg/rlpipe:1", env={"NCCL_DEBUG": "INFO"}))))
+    service, job = docs
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"  # headless (the string "None")
+    assert job["kind"] == "Job" and job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] == service["spec"]["selector"]["job-name"] == "rlpipe-optimize"
+    (c,) = pod["containers"]
+    assert c["image"] == "reg/rlpipe:1" and c["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert c["args"] == ["exec torchrun --nnodes 2 --nproc_per_node 8 --node_rank $JOB_COMPLETION_INDEX "
+                         "--master_addr rlpipe-optimize-0.rlpipe-optimize --master_port 29500 "
+                         "-m rlpipe.stages.optimize -c /runs/cfg.yaml"]
+    assert {"name": "NCCL_DEBUG", "value": "INFO"} in c["env"]
+
+
+def test_cli_prints_and_rejects(capsys, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("lr: 1.0e-6\n")
+    assert main(["slurm", "--stage", "optimize", "--config", str(cfg), "--nodes", "2",
+                 "--gpus-per-node", "8", "epochs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in out and f"-m rlpipe.stages.optimize -c {cfg} epochs=2" in out
+    assert main(["k8s", "--stage", "nope"]) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# A real one-node Slurm cluster (RECIPES.md): munge + slurmctld + slurmd in a temporary state dir.
+# ------------------------------------------------------------------------------------------------
+SLURM_CONF = """\
+ClusterName=rlpipe-test
+SlurmctldHost=localhost
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={s}/msock/munge.socket.2
+CredType=cred/munge
+StateSaveLocation={s}/state
+SlurmdSpoolDir={s}/spool
+SlurmctldPidFile={s}/run/slurmctld.pid
+SlurmdPidFile={s}/run/slurmd.pid
+SlurmctldLogFile={s}/log/slurmctld.log
+SlurmdLogFile={s}/log/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def slurm_cluster():
+    needed = ["sbatch", "slurmctld", "slurmd", "munged", "mungekey"]
+    missing = [b for b in needed if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing); "
+                    "`apt-get install slurm-wlm munge` to run this test")
+    if os.geteuid() != 0:
+        pytest.skip("the one-node Slurm cluster runs slurmd as root")
+    # munged wants every folder above its socket world-executable (pytest's tmp_path is 0700).
+    s = Path(tempfile.mkdtemp(prefix="rlpipe-slurm-"))
+    s.chmod(0o755)
+    for d in ("munge", "msock", "run", "state", "spool", "log"):
+        (s / d).mkdir(parents=True)
+    (s / "munge").chmod(0o700)
+    (s / "msock").chmod(0o755)
+    conf = s / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(s=s, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    subprocess.run(["mungekey", "-c", "-k", f"{s}/munge/munge.key"], check=True, capture_output=True)
+    subprocess.run(["munged", f"--key-file={s}/munge/munge.key", f"--socket={s}/msock/munge.socket.2",
+                    f"--pid-file={s}/msock/munged.pid", f"--log-file={s}/log/munged.log",
+                    f"--seed-file={s}/munge/munged.seed"], check=True)
+    subprocess.run(["slurmctld"], env=env, check=True)
+    subprocess.run(["slurmd", "-N", "localhost"], env=env, check=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # wait until the node is idle
+            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout
+            if out.strip() == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the Slurm node never became idle: {out!r}; logs in {s}/log")
+        yield env
+    finally:
+        for pid_file in ("run/slurmd.pid", "run/slurmctld.pid", "msock/munged.pid"):
+            p = s / pid_file
+            if p.is_file():
+                try:
+                    os.kill(int(p.read_text().strip()), 15)
+                except (ProcessLookupError, ValueError):
+                    pass
+        time.sleep(0.5)
+        shutil.rmtree(s, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_real_slurm_runs_a_rendered_two_rank_job(slurm_cluster, tmp_path):
+    """sbatch a rendered job: 2 Slurm tasks (ranks) on the one node all-reduce over gloo."""
+    spec = JobSpec(stage="smoke", nodes=1, gpus_per_node=0, ranks_per_node=2, master_port=_free_port(),
+                   workdir=str(tmp_path), python=sys.executable, log_dir=str(tmp_path), time="00:05:00")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_slurm(spec))
+    started = time.time()
+    done = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], env=slurm_cluster,
+                          capture_output=True, text=True, timeout=300)
+    log = next(tmp_path.glob("rlpipe-smoke-*.out"), None)
+    text = log.read_text() if log else "<no job log>"
+    assert done.returncode == 0, f"sbatch failed: {done.stderr}\n{text}"
+    ok = sorted(line for line in text.splitlines() if line.startswith("rlpipe smoke: rank"))
+    assert len(ok) == 2, text
+    assert ok[0].startswith("rlpipe smoke: rank 0/2 local_rank 0") and ok[1].startswith("rlpipe smoke: rank 1/2 local_rank 1")
+    assert all(line.endswith("all_reduce sum 3 (expected 3) OK") for line in ok)
+    print(f"sbatch --wait of the 2-rank job: {time.time() - started:.1f} s")
