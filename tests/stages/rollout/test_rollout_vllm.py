@@ -91,3 +91,14 @@ def test_vllm_rows_record_groups_seeds_and_engine(vllm_rollouts, vllm_prompts):
     for g in range(GROUPS):
         group = [tuple(r["response_token_ids"]) for r in rows if r["group_id"] == g]
         assert len(set(group)) == G
+
+
+def test_vllm_rejects_head_dim_without_cpu_kernel(tiny_policy_dir, prompts_dir, tmp_path):
+    """The 'tiny' size has head_dim 16; vLLM's CPU attention would crash mid-generation, so the
+    engine says so up front (before starting vLLM)."""
+    cmd = [str(VLLM_PY), "-m", "rlpipe.stages.rollout", "engine=vllm", f"checkpoint={tiny_policy_dir}",
+           f"prompts={prompts_dir}", f"output={tmp_path / 'r'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "head_dim 16 is not supported by vLLM's CPU attention" in proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing written
