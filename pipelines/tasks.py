@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -108,14 +108,30 @@ def make_splits(task: ArithmeticTask, n_train: int, n_heldout: int, seed: int) -
     Raises:
         ValueError: when the knobs allow fewer than n_train + n_heldout distinct problems.
     """
+    splits = split_problems(task, {"train": n_train, "heldout": n_heldout}, seed)
+    return splits["train"], splits["heldout"]
+
+
+def split_problems(task: ArithmeticTask, sizes: Mapping[str, int], seed: int) -> dict[str, list[Problem]]:
+    """Disjoint named splits: the problems are shuffled with `seed` and cut in the order of `sizes`.
+
+    Raises:
+        ValueError: when the knobs allow fewer distinct problems than the sizes add up to.
+    """
     problems = all_problems(task)
-    if n_train + n_heldout > len(problems):
+    need = sum(sizes.values())
+    if need > len(problems):
+        wanted = " + ".join(f"{n} {name}" for name, n in sizes.items())
         raise ValueError(
-            f"{task} has {len(problems)} distinct problems; cannot draw {n_train} train + "
-            f"{n_heldout} held-out (widen the operand range or add ops)"
+            f"{task} has {len(problems)} distinct problems; cannot draw {wanted} "
+            f"(widen the operand range or add ops)"
         )
     random.Random(seed).shuffle(problems)
-    return problems[:n_train], problems[n_train : n_train + n_heldout]
+    out, start = {}, 0
+    for name, n in sizes.items():
+        out[name] = problems[start : start + n]
+        start += n
+    return out
 
 
 def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, task: ArithmeticTask,
@@ -135,18 +151,25 @@ def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, 
     )
 
 
-def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_heldout: int,
-               seed: int) -> dict[str, Path]:
-    """Write the train and held-out `prompts` artifacts under `out_dir`; returns their paths.
+def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_heldout: int, seed: int,
+               n_sft: int = 0) -> dict[str, Path]:
+    """Write the splits as `prompts` artifacts under `out_dir`; returns their paths.
+
+    Args:
+        n_train: prompts for RL training ('train').
+        n_heldout: prompts for evaluation only ('heldout').
+        n_sft: when > 0, a third disjoint split ('sft') for the supervised warm start, so RL
+            trains on problems the warm start never saw (as the held-out ones).
 
     Returns:
-        {'train': out_dir/'train', 'heldout': out_dir/'heldout'}
+        {'train': out_dir/'train', 'heldout': out_dir/'heldout'} (+ 'sft': out_dir/'sft').
     """
     out = Path(out_dir)
-    train, heldout = make_splits(task, n_train, n_heldout, seed)
-    paths = {"train": out / "train", "heldout": out / "heldout"}
-    write_prompts(paths["train"], train, split="train", task=task, seed=seed)
-    write_prompts(paths["heldout"], heldout, split="heldout", task=task, seed=seed)
+    sizes = {"train": n_train, "heldout": n_heldout} | ({"sft": n_sft} if n_sft else {})
+    paths = {}
+    for name, problems in split_problems(task, sizes, seed).items():
+        paths[name] = out / name
+        write_prompts(paths[name], problems, split=name, task=task, seed=seed)
     return paths
 
 

@@ -69,6 +69,11 @@ def test_write_task_artifacts(tmp_path):
     write_task(tmp_path / "again", task, n_train=300, n_heldout=50, seed=0)
     assert read_manifest(tmp_path / "again" / "train").content_hash == first
     assert read_manifest(paths["train"]).config["task"]["a_range"] == [0, 19]
+    # An extra SFT split: disjoint from both, and train/held-out unchanged by asking for it.
+    three = write_task(tmp_path / "three", task, n_train=300, n_heldout=50, n_sft=40, seed=0)
+    sft = read_table_artifact(three["sft"], PROMPTS).column("prompt_id").to_pylist()
+    assert len(sft) == 40 and not set(sft) & ({r["prompt_id"] for r in train} | {r["prompt_id"] for r in held})
+    assert read_manifest(three["train"]).content_hash == first
 
 
 def test_tokenizer_splits_every_character():
