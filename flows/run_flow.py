@@ -38,7 +38,9 @@ def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
 
 
 def _call(name: str, config: StageConfig) -> Manifest:
-    task_name = f"{name}-iter{getattr(config, 'iteration', '')}" if hasattr(config, "iteration") else name
+    # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
+    output = getattr(config, "output", None)
+    task_name = f"{name}[{Path(output).parent.name}]" if output is not None else name
     return stage_task.with_options(name=task_name, retries=RETRIES.get(name, 0), retry_delay_seconds=2)(name, config)
 
 

@@ -4,6 +4,7 @@
     rlpipe validate PATH        check an artifact (manifest, hashes, shard schemas); exit 1 if bad
     rlpipe inspect PATH         summarise a table artifact, a checkpoint or a whole run directory
     rlpipe stage NAME [ARGS]    run one stage on saved artifacts (`rlpipe stage NAME --help`)
+    rlpipe run [PRESET] [k=v]   run a pipeline preset end to end (no PRESET: the built-in demo)
 
 Each command is one function on the module-level `app`; adding a command is adding a function.
 Start-up stays light: pyarrow, polars and torch are imported inside the commands that use them.
@@ -149,6 +150,48 @@ def stage(
         raise _fail(f"stage {name!r} is not available: its module {module} does not exist (yet)", 2)
     code = importlib.import_module(module).main(list(ctx.args))
     raise typer.Exit(int(code or 0))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    preset: Annotated[str, typer.Argument(help="Built-in preset name (demo, grpo, ppo, grpo_rm) or a YAML file.")] = "demo",
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<preset name>).")] = None,
+    local: Annotated[bool, typer.Option("--local", help="Run the plain-Python pipeline, without Prefect.")] = False,
+) -> None:
+    """Run a pipeline preset: data, optional SFT and reward model, then RL iterations.
+
+    Extra `key=value` arguments override preset keys (e.g. `iterations=5 rollout.temperature=0.8`).
+    Rerunning the same command resumes: finished stages are skipped by their cache keys.
+    """
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.schemas.config import ConfigError
+
+    try:
+        spec = load_preset(preset, list(ctx.args))
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
+    _quiet_libraries()
+    if local:
+        from rlpipe.pipelines.runner import Pipeline
+
+        Pipeline(spec, run_dir).run()
+    else:
+        from rlpipe.flows.run_flow import run_flow
+
+        run_flow(spec, str(run_dir) if run_dir else None)
+
+
+def _quiet_libraries() -> None:
+    """Silence per-load progress bars and info logs that would drown the run's own display."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ PIPELINE_FIELDS: dict[str, set[str]] = {
     "reward_model": {"preferences", "base", "output", "metrics_output", "run"},
     "rollout": {"checkpoint", "prompts", "output", "run", "iteration", "policy_version",
                 "prompt_offset", "worker_index", "worker_count"},
-    "score": {"rollouts", "output", "worker_index", "worker_count", "commit_only"},
+    "score": {"rollouts", "output", "worker_index", "worker_count"},
     "reference": {"rollouts", "output", "reference_model", "critic"},
     "advantage": {"scores", "output", "rollouts", "reference"},
     "optimize": {"policy", "rollouts", "advantages", "reference", "critic", "output",

@@ -12,6 +12,7 @@ are not recomputed, unfinished ones are recomputed from scratch.
 from __future__ import annotations
 
 import importlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,35 +58,31 @@ def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "pres
 
 
 def check_stage_configs(preset: Preset, source: str = "preset") -> None:
-    """Build every stage config the preset uses with placeholder paths: bad knobs fail now."""
-    p = Path("/nonexistent")
+    """Build every stage config the preset uses, with placeholder paths: bad knobs fail now."""
     for name in _stages_used(preset):
-        fields = {f: p for f in PIPELINE_FIELDS[name]}
-        fields = _placeholder_fields(name, fields, preset)
         try:
-            stage_config(name, getattr(preset, name), source, **fields)
+            stage_config(name, getattr(preset, name), source, **_placeholders(name, preset))
         except ConfigError as e:
-            raise ConfigError(str(e).replace("/nonexistent", "<set by the pipeline>")) from None
+            raise ConfigError(re.sub(rf"{_PLACEHOLDER}[/\\w]*", "<set by the pipeline>", str(e))) from None
 
 
-def _placeholder_fields(name: str, fields: dict[str, Any], preset: Preset) -> dict[str, Any]:
-    drop = {"worker_index", "worker_count", "commit_only", "prompt_offset", "iteration", "policy_version",
-            "metrics_output"}
-    out = {k: v for k, v in fields.items() if k not in drop}
-    for k in ("run",):
-        if k in out:
-            out[k] = preset.name
+_PLACEHOLDER = Path("/placeholder")
+
+
+def _placeholders(name: str, preset: Preset) -> dict[str, Any]:
+    """The pipeline-owned fields a stage config requires, plus the optional inputs this preset
+    will pass (a reference model or critic changes what the advantage stage accepts)."""
+    fields = _import(STAGE_RUNS[name][0]).model_fields
+    # Distinct paths per field: some configs check that an output differs from an input.
+    out: dict[str, Any] = {f: _PLACEHOLDER / f for f in PIPELINE_FIELDS[name] if fields[f].is_required()}
+    uses_reference = preset.model.reference or preset.model.critic
+    if name == "advantage" and uses_reference:
+        out.update(rollouts=_PLACEHOLDER, reference=_PLACEHOLDER)
     if name == "reference":
-        out.pop("critic", None)
-    if name == "advantage":
-        out.pop("rollouts", None)
-        if preset.model.reference or preset.model.critic:
-            out["rollouts"] = Path("/nonexistent")
-        else:
-            out.pop("reference", None)
-    if name == "optimize":
-        for k in ("reference", "critic", "critic_output"):
-            out.pop(k, None)
+        out.update(reference_model=_PLACEHOLDER if preset.model.reference else None,
+                   critic=_PLACEHOLDER if preset.model.critic else None)
+    if name == "optimize" and preset.model.critic:
+        out.update(critic=_PLACEHOLDER, critic_output=_PLACEHOLDER)
     return out
 
 

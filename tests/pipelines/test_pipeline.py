@@ -1,0 +1,99 @@
+"""The pipeline end to end on a miniature preset: layout, resume, rerunning one stage alone."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlpipe.pipelines.preset import load_preset
+from rlpipe.pipelines.runner import Pipeline
+from rlpipe.schemas import read_manifest
+
+ARTIFACTS = ("rollouts", "scores", "advantages", "policy", "metrics", "eval")
+
+
+def _hashes(run_dir: Path) -> dict[str, str]:
+    """content hash of every artifact (a directory with a manifest) of a run, by relative path."""
+    return {str(m.parent.relative_to(run_dir)): json.loads(m.read_text())["content_hash"]
+            for m in sorted(run_dir.rglob("_manifest.json"))}
+
+
+def _created(run_dir: Path) -> dict[str, str]:
+    return {str(m.parent.relative_to(run_dir)): json.loads(m.read_text())["created_at"] + m.read_text()
+            for m in sorted(run_dir.rglob("_manifest.json"))}
+
+
+def test_pipeline_writes_the_layout_and_a_rerun_recomputes_nothing(mini_preset_file, tmp_path):
+    run_dir = tmp_path / "runs" / "mini"
+    lines: list[str] = []
+    records = Pipeline(load_preset(mini_preset_file), run_dir, log=lines.append).run()
+    assert [r.iteration for r in records] == [0, 1]
+    for k in (0, 1):
+        for name in ARTIFACTS:
+            assert (run_dir / f"iter_{k:04d}" / name / "_manifest.json").is_file(), (k, name)
+        assert (run_dir / f"iter_{k:04d}" / "configs" / "optimize.yaml").is_file()
+    # the policy of iteration 1 was trained from iteration 0's policy
+    assert read_manifest(run_dir / "iter_0001/policy").inputs["policy"].path == str(run_dir / "iter_0000/policy")
+    assert (run_dir / "report" / "curves.png").stat().st_size > 1000
+    assert "| iteration |" in (run_dir / "report" / "metrics.md").read_text()
+    assert any(line.startswith("iter   2/2") for line in lines)
+
+    before = _created(run_dir)
+    Pipeline(load_preset(mini_preset_file), run_dir, log=lines.append).run()
+    assert _created(run_dir) == before  # every stage was a cache hit: no manifest rewritten
+
+
+def test_rerunning_one_stage_alone_reproduces_the_flow_artifact(mini_preset_file, tmp_path):
+    run_dir = tmp_path / "runs" / "mini"
+    Pipeline(load_preset(mini_preset_file), run_dir, log=lambda s: None).run()
+    for stage, artifact in (("score", "scores"), ("advantage", "advantages"), ("rollout", "rollouts")):
+        out = tmp_path / f"again_{artifact}"
+        subprocess.run(
+            [sys.executable, "-m", "rlpipe.pipelines.cli", "stage", stage,
+             "-c", str(run_dir / "iter_0001/configs" / f"{stage}.yaml"), f"output={out}"],
+            check=True, capture_output=True, text=True,
+        )
+        assert read_manifest(out).content_hash == read_manifest(run_dir / "iter_0001" / artifact).content_hash
+
+
+def test_a_different_preset_in_the_same_run_dir_is_refused(mini_preset_file, tmp_path):
+    from rlpipe.schemas.config import ConfigError
+
+    run_dir = tmp_path / "runs" / "mini"
+    run_dir.mkdir(parents=True)
+    (run_dir / "preset.yaml").write_text("name: other\n")
+    with pytest.raises(ConfigError, match="different preset"):
+        Pipeline(load_preset(mini_preset_file), run_dir).run()
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_and_matches_an_uninterrupted_run(mini_preset_file, tmp_path):
+    """SIGKILL in the middle of iteration 1 (after its advantages), rerun the same command: the
+    finished stages are not recomputed, and every artifact equals an uninterrupted run's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(mini_preset_file), "--local"]
+    straight = tmp_path / "straight" / "mini"  # same run name: it is recorded in the rows
+    subprocess.run([*cmd, "--run-dir", str(straight)], check=True, capture_output=True, env=env)
+
+    killed = tmp_path / "killed" / "mini"
+    proc = subprocess.Popen([*cmd, "--run-dir", str(killed)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    marker = killed / "iter_0001" / "advantages" / "_manifest.json"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "the run ended before the kill point"
+    done_at_kill = _created(killed)
+    assert "iter_0001/eval" not in done_at_kill  # killed mid-iteration
+
+    subprocess.run([*cmd, "--run-dir", str(killed)], check=True, capture_output=True, env=env)
+    after = _created(killed)
+    assert {k: after[k] for k in done_at_kill} == done_at_kill  # nothing finished was recomputed
+    assert _hashes(killed) == _hashes(straight)  # and the result is the uninterrupted run's

@@ -1,0 +1,55 @@
+"""Presets: every built-in one loads, and bad knobs are reported by stage and key before any work."""
+
+import pytest
+
+from rlpipe.pipelines.preset import builtin_presets, load_preset
+from rlpipe.schemas.config import ConfigError
+
+
+def test_builtin_presets_exist():
+    assert {"demo", "grpo", "ppo", "grpo_rm"} <= set(builtin_presets())
+
+
+@pytest.mark.parametrize("name", ["demo", "grpo", "ppo", "grpo_rm"])
+def test_builtin_preset_loads_and_every_stage_config_validates(name):
+    preset = load_preset(name)
+    assert preset.name == name
+    assert preset.iterations >= 1
+
+
+def test_ppo_preset_uses_gae_critic_and_kl_in_reward():
+    p = load_preset("ppo")
+    assert p.advantage["estimator"] == "gae" and p.advantage["kl"]["in_reward"] is True
+    assert p.model.critic and p.model.reference and p.rollout["group_size"] == 1
+
+
+def test_unknown_stage_key_names_stage_and_key():
+    with pytest.raises(ConfigError) as e:
+        load_preset("grpo", ["rollout.temprature=0.5"])
+    msg = str(e.value)
+    assert "rollout" in msg and "temprature" in msg and "temperature" in msg  # allowed keys listed
+
+
+def test_bad_literal_lists_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_preset("grpo", ["advantage.estimator=grpoo"])
+    assert "grpoo" in str(e.value) and "rloo" in str(e.value)
+
+
+def test_pipeline_owned_field_is_rejected():
+    with pytest.raises(ConfigError, match="set by the pipeline"):
+        load_preset("grpo", ["rollout.output=/tmp/x"])
+
+
+def test_unknown_preset_lists_builtins():
+    with pytest.raises(ConfigError, match="demo"):
+        load_preset("nope")
+
+
+def test_pipeline_fields_exist_in_every_stage_config():
+    from rlpipe.pipelines.preset import PIPELINE_FIELDS
+    from rlpipe.pipelines.runner import STAGE_RUNS, _import
+
+    for stage, fields in PIPELINE_FIELDS.items():
+        known = set(_import(STAGE_RUNS[stage][0]).model_fields)
+        assert fields <= known, f"{stage}: {sorted(fields - known)} are not fields of its config"
