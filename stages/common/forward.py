@@ -56,7 +56,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, L), dtype=torch.long)
     response_ids = torch.zeros((B, T), dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         seq = list(p) + list(r)
         input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention_mask[b, : len(seq)] = 1
