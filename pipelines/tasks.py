@@ -64,6 +64,14 @@ class ArithmeticTask:
             raise ValueError(f"ops must be a non-empty subset of {sorted(_APPLY)}, got {self.ops}")
 
 
+#: The task the SFT warm-start study settled on (measured with the real sft + evaluate stages,
+#: size 'demo' model, 1 torch thread): 200 SFT problems, 100 held-out, SFT max_steps=300,
+#: batch 32, lr 3e-3, warmup 20, cosine -> held-out greedy accuracy 0.28 / 0.49 / 0.30 for
+#: seeds 0 / 1 / 2, 17.5-19.2 s of SFT CPU time each. Two-digit sums with b in 0..99 or
+#: a in 0..99 learn far slower (under 10% after 400 steps).
+DEMO_TASK = ArithmeticTask(a_range=(0, 29), b_range=(0, 9))
+
+
 @dataclass(frozen=True)
 class Problem:
     a: int
