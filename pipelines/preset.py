@@ -51,6 +51,12 @@ class TaskSpec(_Spec):
     """Training prompts (SFT and RL draw from these)."""
     n_heldout: int = Field(200, ge=1)
     """Held-out prompts for evaluation (disjoint from training)."""
+    sft_padded_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Deliberately flawed warm-start data (the demo): this fraction of the SFT copy of the
+    training answers (chosen at random with the seed) is zero-padded to three digits ('068'), as
+    if it came from a second source with another answer convention. The verifier accepts only the
+    canonical answer ('68'), so the warm start often answers in the wrong form; RL has to learn
+    the canonical form from the reward alone. 0: SFT answers are canonical."""
 
     def to_task(self):
         from rlpipe.pipelines.tasks import ArithmeticTask

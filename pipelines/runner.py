@@ -151,11 +151,11 @@ class Pipeline:
         p, L = self.preset, self.layout
         self._start_run_dir()
         self._seconds: dict[str, float] = {}
-        train, heldout = self._prepare_data()
+        train, heldout, sft_prompts = self._prepare_data()
         policy = self._prepare_base_model()
         setup = L.root / "configs"
         if p.sft is not None:
-            self.stage("sft", setup, base=policy, prompts=train, output=L.model("sft"),
+            self.stage("sft", setup, base=policy, prompts=sft_prompts, output=L.model("sft"),
                        metrics_output=L.model("sft_metrics"), run=L.name, iteration=0)
             policy = L.model("sft")
         reward_model = self._prepare_reward_model(policy, setup)
@@ -220,19 +220,25 @@ class Pipeline:
             )
         L.preset_file.write_text(text)
 
-    def _prepare_data(self) -> tuple[Path, Path]:
+    def _prepare_data(self) -> tuple[Path, Path, Path]:
+        """(training prompts, held-out prompts, SFT prompts) artifacts."""
         from rlpipe.pipelines import tasks
         from rlpipe.schemas import exists
 
         d = self.preset.data
         if d.task is None:
             assert d.prompts is not None
-            return d.prompts, d.eval_prompts or d.prompts
+            return d.prompts, d.eval_prompts or d.prompts, d.prompts
         out = self.layout.data("task")
         task = d.task.to_task()
         if not (exists(out / "train") and exists(out / "heldout")):
             tasks.write_task(out, task, n_train=d.task.n_train, n_heldout=d.task.n_heldout, seed=self.preset.seed)
-        return out / "train", out / "heldout"
+        if not d.task.sft_padded_fraction:
+            return out / "train", out / "heldout", out / "train"
+        if not exists(out / "sft"):
+            tasks.write_mixed_format_copy(out / "train", out / "sft", fraction=d.task.sft_padded_fraction,
+                                          seed=self.preset.seed)
+        return out / "train", out / "heldout", out / "sft"
 
     def _prepare_base_model(self) -> Path:
         m = self.preset.model

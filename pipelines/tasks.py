@@ -181,6 +181,24 @@ def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_hel
     return paths
 
 
+def write_mixed_format_copy(src: Path | str, dst: Path | str, *, fraction: float, seed: int,
+                            width: int = 3) -> Manifest:
+    """Copy a `prompts` artifact with `fraction` of its answers (drawn with `seed`) zero-padded
+    to `width` digits ('68' -> '068'): warm-start data from two sources with different answer
+    conventions, where the verifier accepts only the canonical one."""
+    from rlpipe.schemas import read_manifest, read_table_artifact
+
+    table = read_table_artifact(src, PROMPTS)
+    rng = random.Random(seed)
+    rows = {name: table.column(name).to_pylist() for name in PROMPTS.column_names}
+    rows["answer"] = [ans.zfill(width) if rng.random() < fraction else ans for ans in rows["answer"]]
+    return write_table_artifact(
+        dst, PROMPTS, rows, stage="task",
+        config={"source": str(src), "fraction": fraction, "seed": seed, "width": width},
+        inputs={"prompts": read_manifest(src).as_input(src)},
+    )
+
+
 def tokenizer_texts(task: ArithmeticTask) -> list[str]:
     """Texts to train the tokenizer on: every digit and operator of the task, in a fixed order.
 
