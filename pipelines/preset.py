@@ -52,11 +52,14 @@ class TaskSpec(_Spec):
     n_heldout: int = Field(200, ge=1)
     """Held-out prompts for evaluation (disjoint from training)."""
     sft_padded_fraction: float = Field(0.0, ge=0.0, le=1.0)
-    """Deliberately flawed warm-start data (the demo): this fraction of the SFT copy of the
-    training answers (chosen at random with the seed) is zero-padded to three digits ('068'), as
-    if it came from a second source with another answer convention. The verifier accepts only the
-    canonical answer ('68'), so the warm start often answers in the wrong form; RL has to learn
-    the canonical form from the reward alone. 0: SFT answers are canonical."""
+    """Deliberately flawed warm-start data (the demo): in the SFT copy of the training prompts,
+    this fraction of the answers of problems whose first operand is >= `sft_padded_from` (drawn
+    with the seed) is zero-padded to three digits ('068'), as if those problems came from a second
+    source with another answer convention. The verifier accepts only the canonical answer ('68'),
+    so the warm start answers many such problems in the wrong form, while sampling still tries
+    the canonical one now and then: RL has to learn it from the reward alone. 0: canonical SFT."""
+    sft_padded_from: int = Field(0, ge=0)
+    """First operand from which SFT answers may be padded (see sft_padded_fraction)."""
 
     def to_task(self):
         from rlpipe.pipelines.tasks import ArithmeticTask

@@ -237,7 +237,7 @@ class Pipeline:
             return out / "train", out / "heldout", out / "train"
         if not exists(out / "sft"):
             tasks.write_mixed_format_copy(out / "train", out / "sft", fraction=d.task.sft_padded_fraction,
-                                          seed=self.preset.seed)
+                                          pad_from=d.task.sft_padded_from, seed=self.preset.seed)
         return out / "train", out / "heldout", out / "sft"
 
     def _prepare_base_model(self) -> Path:

@@ -182,19 +182,22 @@ def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_hel
 
 
 def write_mixed_format_copy(src: Path | str, dst: Path | str, *, fraction: float, seed: int,
-                            width: int = 3) -> Manifest:
-    """Copy a `prompts` artifact with `fraction` of its answers (drawn with `seed`) zero-padded
-    to `width` digits ('68' -> '068'): warm-start data from two sources with different answer
-    conventions, where the verifier accepts only the canonical one."""
+                            pad_from: int = 0, width: int = 3) -> Manifest:
+    """Copy a `prompts` artifact with `fraction` of the answers of problems whose first operand is
+    >= `pad_from` (drawn with `seed`) zero-padded to `width` digits ('68' -> '068'): warm-start
+    data from two sources with different answer conventions, where the verifier accepts only the
+    canonical one."""
     from rlpipe.schemas import read_manifest, read_table_artifact
 
     table = read_table_artifact(src, PROMPTS)
     rng = random.Random(seed)
     rows = {name: table.column(name).to_pylist() for name in PROMPTS.column_names}
-    rows["answer"] = [ans.zfill(width) if rng.random() < fraction else ans for ans in rows["answer"]]
+    first = [json.loads(m)["a"] for m in rows["metadata"]]
+    rows["answer"] = [ans.zfill(width) if a >= pad_from and rng.random() < fraction else ans
+                      for ans, a in zip(rows["answer"], first, strict=True)]
     return write_table_artifact(
         dst, PROMPTS, rows, stage="task",
-        config={"source": str(src), "fraction": fraction, "seed": seed, "width": width},
+        config={"source": str(src), "fraction": fraction, "pad_from": pad_from, "seed": seed, "width": width},
         inputs={"prompts": read_manifest(src).as_input(src)},
     )
 

@@ -1,0 +1,22 @@
+"""The demo, shortened: the warm start is middling and GRPO raises reward and held-out accuracy."""
+
+import pytest
+
+from rlpipe.pipelines.preset import load_preset
+from rlpipe.pipelines.report import eval_metrics
+from rlpipe.pipelines.runner import Pipeline
+
+
+@pytest.mark.slow
+def test_shortened_demo_reward_and_heldout_accuracy_rise(tmp_path):
+    preset = load_preset("demo", ["iterations=12", "eval_every=0"])
+    run_dir = tmp_path / "demo"
+    records = Pipeline(preset, run_dir, log=lambda s: None).run()
+
+    before = eval_metrics(run_dir / "eval_0000")["accuracy"]
+    after = eval_metrics(run_dir / "iter_0011" / "eval")["accuracy"]
+    assert 0.2 <= before <= 0.6, f"warm start should be middling, got {before}"
+    assert after >= before + 0.1, f"held-out greedy accuracy {before:.2f} -> {after:.2f}"
+
+    rewards = [r.metrics["reward_mean"] for r in records]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
