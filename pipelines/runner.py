@@ -23,7 +23,7 @@ import yaml
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.preset import PIPELINE_FIELDS, Preset
-from rlpipe.schemas import Manifest, read_manifest
+from rlpipe.schemas import Manifest
 from rlpipe.schemas.config import ConfigError, StageConfig, parse_config
 
 #: stage name -> (config class, run function), as import references (imported on first use).
@@ -322,8 +322,3 @@ class Pipeline:
 
 def _fields_of(name: str) -> set[str]:
     return set(_import(STAGE_RUNS[name][0]).model_fields)
-
-
-def read_config(path: Path | str) -> dict[str, Any]:
-    """The config a stage artifact was produced with (from its manifest)."""
-    return read_manifest(path).config

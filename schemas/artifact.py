@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -309,6 +309,48 @@ class ArtifactWriter:
         )
         write_manifest(self.path, manifest)
         return manifest
+
+
+    # -- N worker processes sharing one artifact directory ----------------------------------
+    # Worker i writes its own disjoint shards, then drops a marker; the worker that then finds
+    # every worker's marker (for this cache key) and every expected shard writes the manifest.
+    # Two workers finishing at once may both commit: the manifests are identical but for the
+    # timestamp, and each is written atomically.
+    def _marker(self, index: int, count: int) -> Path:
+        return self.path / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"
+
+    def prepare_worker(self, index: int, count: int, others: Iterable[str]) -> None:
+        """Before worker `index` of `count` writes: remove its old marker and every shard except
+        `others` (the shards the other workers write), so all that is present at commit time
+        was written for these inputs."""
+        self._marker(index, count).unlink(missing_ok=True)
+        keep = set(others)
+        for p in self.path.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+
+    def finish_worker(self, index: int, count: int, expected: Iterable[str], commit: Callable[[], Manifest],
+                      extra: Mapping[str, Any] | None = None, wall_time_s: float | None = None) -> Manifest:
+        """Mark worker `index` done. If every worker is done and every `expected` shard exists,
+        run `commit()` (which writes the manifest) and remove the markers; otherwise return an
+        in-memory manifest of this worker's own shards (`extra.partial = True`), not written."""
+        self._marker(index, count).touch()
+        markers = [self._marker(i, count) for i in range(count)]
+        present = {p.name for p in self.path.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}")}
+        if all(m.exists() for m in markers) and present == set(expected):
+            manifest = commit()
+            for m in markers:
+                m.unlink(missing_ok=True)
+            return manifest
+        files = sorted(self._written.values(), key=lambda f: f.name)
+        return Manifest(
+            kind="table", schema_name=self.schema.name, schema_version=self.schema.version,
+            rows=sum(f.rows or 0 for f in files), files=files, content_hash=content_hash(files),
+            stage=self.stage, config=self.config, inputs=self.inputs, cache_key=self.cache_key,
+            extra={**(extra or {}), "partial": True, "worker_index": index, "worker_count": count},
+            wall_time_s=wall_time_s if wall_time_s is not None else time.time() - self._started,
+            **_provenance(),
+        )
 
 
 def _provenance() -> dict[str, Any]:

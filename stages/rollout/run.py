@@ -30,7 +30,6 @@ from rlpipe.schemas import (
     read_table_artifact,
     shard_name,
 )
-from rlpipe.schemas.manifest import content_hash
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.rollout.core import group_seed, select_prompts, shard_ranges, worker_shards
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec, get_engine
@@ -63,7 +62,8 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
     writer = ArtifactWriter(config.output, ROLLOUTS, stage=STAGE, config=config.resolved(),
                             inputs=inputs, cache_key=key, clean=config.worker_index is None)
     if config.worker_index is not None:
-        _prepare_worker_dir(config, key, len(shards))
+        writer.prepare_worker(config.worker_index, config.worker_count,
+                              others=[shard_name(k) for k in range(len(shards)) if k not in mine])
     params = SamplingSpec(
         group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
         top_k=config.top_k, max_new_tokens=config.max_new_tokens, stop=tuple(config.stop),
@@ -91,7 +91,12 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
     if config.worker_index is None:
         return writer.commit(extra=_summary(config.output, writer) | {"timing": timing},
                              wall_time_s=time.time() - started)
-    return _finish_worker(config, key, writer, files, len(shards), timing, started)
+    extra = {"worker_index": config.worker_index, "worker_count": config.worker_count, "timing": timing}
+    return writer.finish_worker(
+        config.worker_index, config.worker_count, expected=[shard_name(k) for k in range(len(shards))],
+        commit=lambda: writer.commit(extra=_summary(config.output, writer) | extra,
+                                     wall_time_s=time.time() - started),
+        extra=extra)
 
 
 def _checkpoint_input(path: Path):
@@ -163,41 +168,6 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
         "response_length_mean": round(float(pc.mean(lengths).as_py() or 0.0), 3),
         "length_fraction": round(float(pc.sum(pc.equal(t["finish_reason"], "length")).as_py()) / n, 4),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers sharing one artifact directory
-# ---------------------------------------------------------------------------------------------
-def _marker(config: RolloutConfig, key: str, worker: int) -> Path:
-    return config.output / f".rollout-worker-{worker}-of-{config.worker_count}.{key[:16]}.done"
-
-
-def _prepare_worker_dir(config: RolloutConfig, key: str, num_shards: int) -> None:
-    """Drop this worker's old marker and stale shards no worker of this run writes (k >= K)."""
-    _marker(config, key, config.worker_index).unlink(missing_ok=True)
-    for p in config.output.glob("part-*.parquet"):
-        if p.name[5:-8].isdigit() and int(p.name[5:-8]) >= num_shards:
-            p.unlink(missing_ok=True)
-
-
-def _finish_worker(config: RolloutConfig, key: str, writer: ArtifactWriter, files: list, num_shards: int,
-                   timing: dict[str, Any], started: float) -> Manifest:
-    """Mark this worker done; the worker that sees every marker writes the manifest."""
-    _marker(config, key, config.worker_index).touch()
-    markers = [_marker(config, key, i) for i in range(config.worker_count)]
-    expected = {shard_name(k) for k in range(num_shards)}
-    present = {p.name for p in config.output.glob("part-*.parquet")}
-    extra = {"worker_index": config.worker_index, "worker_count": config.worker_count, "timing": timing}
-    if all(m.exists() for m in markers) and present == expected:
-        manifest = writer.commit(extra=_summary(config.output, writer) | extra,
-                                 wall_time_s=time.time() - started)
-        for m in markers:
-            m.unlink(missing_ok=True)
-        return manifest
-    return Manifest(kind="table", schema_name=ROLLOUTS.name, schema_version=ROLLOUTS.version,
-                    rows=sum(f.rows or 0 for f in files), files=files, content_hash=content_hash(files),
-                    stage=STAGE, config=config.resolved(), inputs=writer.inputs, cache_key=key,
-                    extra=extra | {"partial": True}, wall_time_s=time.time() - started)
 
 
 def _progress(total: int, config: RolloutConfig):

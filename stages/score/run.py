@@ -37,7 +37,7 @@ from rlpipe.schemas import (
     read_manifest,
     read_shard,
 )
-from rlpipe.schemas.manifest import InputRef, content_hash
+from rlpipe.schemas.manifest import InputRef
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.core import combine
 from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scorer
@@ -83,7 +83,7 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
     mine = names
     if config.worker_index is not None:
         mine = [n for n in names if shard_index(n) % config.worker_count == config.worker_index]
-        _prepare_worker_dir(config, key, names, mine)
+        writer.prepare_worker(config.worker_index, config.worker_count, others=set(names) - set(mine))
 
     # Score shard by shard: read, run every component (checked), write the scores shard.
     scorers = [build_scorer(c) for c in config.components]
@@ -98,7 +98,8 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
 
     if config.worker_index is None:
         return _commit(writer, config, names, started)
-    return _finish_worker(writer, config, key, names, written, started)
+    return writer.finish_worker(config.worker_index, config.worker_count, expected=names,
+                                commit=lambda: _commit(writer, config, names, started))
 
 
 def _rows(shard: Path, table: pa.Table) -> Rows:
@@ -144,39 +145,6 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
 
 def _who(config: ScoreConfig) -> str:
     return "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
-
-
-def _marker(config: ScoreConfig, key: str, worker: int) -> Path:
-    return config.output / f".score-worker-{worker}-of-{config.worker_count}.{key[:16]}.done"
-
-
-def _prepare_worker_dir(config: ScoreConfig, key: str, names: list[str], mine: list[str]) -> None:
-    """Drop this worker's marker, its old shards and shards no worker of this run writes, so
-    whatever is present when the last worker commits was written for these inputs."""
-    _marker(config, key, config.worker_index).unlink(missing_ok=True)
-    keep = set(names) - set(mine)
-    for p in config.output.glob("part-*.parquet"):
-        if p.name not in keep:
-            p.unlink(missing_ok=True)
-
-
-def _finish_worker(writer: ArtifactWriter, config: ScoreConfig, key: str, names: list[str],
-                   written: list, started: float) -> Manifest:
-    """Mark this worker done; the worker that sees every marker and every shard commits."""
-    _marker(config, key, config.worker_index).touch()
-    markers = [_marker(config, key, i) for i in range(config.worker_count)]
-    present = {p.name for p in config.output.glob("part-*.parquet")}
-    if all(m.exists() for m in markers) and present == set(names):
-        manifest = _commit(writer, config, names, started)
-        for m in markers:
-            m.unlink(missing_ok=True)
-        return manifest
-    return Manifest(kind="table", schema_name=SCORES.name, schema_version=SCORES.version,
-                    rows=sum(f.rows or 0 for f in written), files=written, content_hash=content_hash(written),
-                    stage=STAGE, config=config.resolved(), inputs=writer.inputs, cache_key=key,
-                    extra={"partial": True, "worker_index": config.worker_index,
-                           "worker_count": config.worker_count},
-                    wall_time_s=time.time() - started)
 
 
 class _progress:

@@ -114,7 +114,7 @@ def test_two_worker_processes_equal_one(tiny_policy_dir, prompts_dir, tmp_path):
     assert merged.shard_names == single.shard_names == [f"part-{k:05d}.parquet" for k in range(4)]
     assert read_table_artifact(out).to_pylist() == read_table_artifact(one.output).to_pylist()
     assert merged.content_hash == single.content_hash
-    assert not list(out.glob(".rollout-worker-*"))  # markers removed by the committing worker
+    assert not list(out.glob(".worker-*"))  # markers removed by the committing worker
 
 
 def test_errors_are_clear(tiny_policy_dir, prompts_dir, tmp_path):

@@ -87,7 +87,7 @@ def test_workers_in_process_match_one(arith_rollouts, tiny_reward_dir, tmp_path)
     assert w1.shard_names == ["part-00001.parquet", "part-00003.parquet"]
     w0 = run(_config(arith_rollouts, out, _components(tiny_reward_dir), worker_index=0, worker_count=2))
     assert exists(out) and w0.content_hash == one.content_hash
-    assert not list(out.glob(".score-worker-*"))  # markers removed after the commit
+    assert not list(out.glob(".worker-*"))  # markers removed after the commit
 
 
 @pytest.mark.slow
