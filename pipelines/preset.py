@@ -22,7 +22,7 @@ PIPELINE_FIELDS: dict[str, set[str]] = {
     "sft": {"base", "prompts", "output", "metrics_output", "run", "iteration"},
     "reward_model": {"preferences", "base", "output", "metrics_output", "run"},
     "rollout": {"checkpoint", "prompts", "output", "run", "iteration", "policy_version",
-                "prompt_offset", "worker_index", "worker_count"},
+                "num_prompts", "prompt_offset", "worker_index", "worker_count"},
     "score": {"rollouts", "output", "worker_index", "worker_count"},
     "reference": {"rollouts", "output", "reference_model", "critic"},
     "advantage": {"scores", "output", "rollouts", "reference"},

@@ -183,10 +183,10 @@ class Pipeline:
                    critic: Path | None, reward_model: Path | None) -> tuple[Path, Path | None]:
         p, L = self.preset, self.layout
         cfgs = L.iteration(k) / "configs"
-        rollout = dict(num_prompts=p.prompts_per_iteration)
+        # Iteration k samples the next slice of the training prompts (wrapping around).
         self.stage("rollout", cfgs, checkpoint=policy, prompts=train, output=L.stage(k, "rollouts"),
-                   run=L.name, iteration=k, policy_version=k,
-                   prompt_offset=k * p.prompts_per_iteration, **{f: v for f, v in rollout.items() if f not in p.rollout})
+                   run=L.name, iteration=k, policy_version=k, num_prompts=p.prompts_per_iteration,
+                   prompt_offset=k * p.prompts_per_iteration)
         self.stage("score", cfgs, rollouts=L.stage(k, "rollouts"), output=L.stage(k, "scores"),
                    **self._score_components(reward_model))
         extra: dict[str, Any] = {}

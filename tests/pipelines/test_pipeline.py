@@ -97,3 +97,23 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(mini_preset_file, t
     after = _created(killed)
     assert {k: after[k] for k in done_at_kill} == done_at_kill  # nothing finished was recomputed
     assert _hashes(killed) == _hashes(straight)  # and the result is the uninterrupted run's
+
+
+@pytest.mark.slow
+def test_ppo_preset_runs_end_to_end(tmp_path):
+    """The PPO path: reward model trained first, critic built, reference log-probs, GAE with KL in
+    the reward, critic trained by optimize; every artifact of the iteration exists and validates."""
+    from rlpipe.schemas import validate_artifact
+
+    preset = load_preset("ppo", ["iterations=1", "sft.max_steps=5", "model.tiny_size=micro",
+                                 "prompts_per_iteration=8", "data.task.n_train=60", "data.task.n_heldout=10",
+                                 "optimize.minibatch_size=8", "optimize.micro_batch_size=8"])
+    run_dir = tmp_path / "ppo"
+    Pipeline(preset, run_dir, log=lambda s: None).run()
+    it = run_dir / "iter_0000"
+    for name in ("rollouts", "scores", "reference", "advantages", "policy", "critic", "metrics", "eval"):
+        assert validate_artifact(it / name) == [], name
+    adv = read_manifest(it / "advantages")
+    assert adv.config["estimator"] == "gae" and adv.config["kl"]["in_reward"] is True
+    assert read_manifest(it / "critic").inputs["critic"].path == str(run_dir / "models/critic")
+    assert read_manifest(run_dir / "models/reward").kind == "checkpoint"
