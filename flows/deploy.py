@@ -1,0 +1,62 @@
+"""Put the `rlpipe-run` flow on a Prefect work pool, so workers on a cluster pick runs up.
+
+    PREFECT_API_URL=http://prefect:4200/api python -m rlpipe.flows.deploy --pool gpu-pool \
+        --name grpo --preset grpo [key=value ...]
+    prefect deployment run 'rlpipe-run/grpo' --watch
+
+The deployment points at the installed package by module path (`rlpipe.flows.run_flow:run_flow`),
+not at a file, so a worker imports the flow exactly as `rlpipe run` does (no second copy of the
+modules through a script path on sys.path). The preset is validated here and stored, resolved,
+as the deployment's default parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlpipe.flows.settings import configure
+
+configure()
+
+ENTRYPOINT = "rlpipe.flows.run_flow:run_flow"
+
+
+def deploy(name: str, pool: str, preset_name: str, overrides: Sequence[str] = (),
+           run_dir: str | None = None) -> str:
+    """Create or update the deployment; returns its id.
+
+    Args:
+        run_dir: where runs of this deployment write; made absolute here, because a worker runs
+            each flow in a working directory of its own (default: ./runs/<preset name>, which on a
+            cluster should be a shared filesystem).
+    """
+    from prefect.deployments.runner import EntrypointType
+
+    from rlpipe.flows.run_flow import run_flow
+    from rlpipe.pipelines.preset import load_preset
+
+    preset = load_preset(preset_name, list(overrides))
+    where = str(Path(run_dir or Path("runs") / preset.name).resolve())
+    return str(run_flow.deploy(name=name, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
+                               parameters={"preset": preset.model_dump(mode="json"), "run_dir": where},
+                               build=False, push=False, print_next_steps=False))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlpipe.flows.deploy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pool", required=True, help="Prefect work pool name")
+    parser.add_argument("--name", required=True, help="deployment name")
+    parser.add_argument("--preset", default="demo", help="built-in preset name or YAML path")
+    parser.add_argument("--run-dir", default=None, help="run directory (made absolute; default ./runs/<preset>)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    print(deploy(args.name, args.pool, args.preset, args.overrides, args.run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
