@@ -15,6 +15,7 @@ from rlpipe.flows.settings import configure
 
 configure()
 
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger, task  # noqa: E402
@@ -48,7 +49,8 @@ def _publish(run: str, record: IterationRecord) -> None:
     rows = [f"| {k} | {v:.4g} |" for k, v in record.metrics.items()]
     rows += [f"| seconds_{k} | {v:.3f} |" for k, v in record.seconds.items()]
     create_markdown_artifact(
-        key=f"{run.lower().replace('_', '-').replace('.', '-')}-iter-{record.iteration:04d}",
+        # Artifact keys allow lowercase letters, digits and dashes only.
+        key=re.sub(r"[^a-z0-9-]", "-", f"{run.lower()}-iter-{record.iteration:04d}"),
         markdown="\n".join([f"### {run}: iteration {record.iteration + 1}", "", "| metric | value |",
                             "|---|---|", *rows]),
         description=f"rlpipe {run} iteration {record.iteration + 1}",
@@ -58,9 +60,8 @@ def _publish(run: str, record: IterationRecord) -> None:
 @flow(name="rlpipe-run", log_prints=True)
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
-    logger = get_run_logger()
-    pipeline = Pipeline(preset, run_dir, call=_call, log=logger.info,
-                        on_iteration=lambda r: _publish(Path(run_dir or preset.name).name, r))
+    pipeline = Pipeline(preset, run_dir, call=_call, log=get_run_logger().info)
+    pipeline.on_iteration = lambda record: _publish(pipeline.layout.name, record)
     pipeline.run()
     return str(pipeline.layout.root)
 
