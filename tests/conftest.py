@@ -27,6 +27,18 @@ def _no_bare_imports():
 ARITH_TEXTS = [f"Q: {a}+{b}= A: {a + b}" for a in range(20) for b in range(20)]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """One intra-op thread for every test: tiny models gain nothing from more, and when the two
+    cores are shared, OpenMP threads spin-wait (measured 10-50x slower steps under load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from rlpipe.stages.common.tiny import train_tokenizer

@@ -37,17 +37,6 @@ def reference_row(group_id: int, sample_index: int, ref_logprobs, values, iterat
             "ref_logprobs": ref_logprobs, "values": values}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny matmuls run far faster on one thread when the 2 cores are shared (OpenMP threads
-    spin-wait: measured ~50x on 64 x 64 matmuls under load); restored after each test."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture
 def artifacts():

@@ -58,16 +58,6 @@ def artifacts(tmp_path, tiny_tokenizer):
     return build_artifacts(tmp_path, tiny_tokenizer)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Single-threaded torch: on a shared 2-core machine extra threads only add contention."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def optimize_config(root: Path, arts: dict[str, Path], policy: Path, name: str = "o", **overrides):
     from rlpipe.stages.optimize.config import OptimizeConfig

@@ -27,16 +27,6 @@ from rlpipe.stages.reward_model.run import run
 from rlpipe.stages.reward_model.synthetic import synthetic_preferences, write_synthetic_preferences
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine: one intra-op thread is several times faster than
-    # two OpenMP threads competing with other processes.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def prefs(tmp_path_factory):
     path = tmp_path_factory.mktemp("prefs") / "preferences"

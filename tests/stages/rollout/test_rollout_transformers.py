@@ -16,16 +16,6 @@ from rlpipe.stages.rollout.run import run
 SAMPLING = dict(group_size=4, temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Two cores shared by several test processes: one torch thread avoids oversubscription."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def config(policy: Path, prompts: Path, out: Path, **kw) -> RolloutConfig:
     return RolloutConfig(checkpoint=policy, prompts=prompts, output=out, **(SAMPLING | kw))

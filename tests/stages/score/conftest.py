@@ -52,13 +52,3 @@ def arith_rollouts(tmp_path):
                    rows_per_shard=6)
     return path
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine: one intra-op thread beats two competing ones.
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

@@ -17,17 +17,6 @@ TASK = ArithmeticTask(a_range=(0, 9), b_range=(0, 9))
 STEPS = 150
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP
-    threads per process run ~10x slower than one (measured: 2.1 s vs 0.17 s per step)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
