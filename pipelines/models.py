@@ -1,28 +1,14 @@
-"""Starting points a pipeline can build locally: a tiny base policy and task preferences.
+"""Task preferences a pipeline can build locally for reward-model training.
 
-Both are written as artifacts (a manifest last), so a rerun finds them complete and skips them.
+Written as an artifact (a manifest last), so a rerun finds it complete and skips it.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from pathlib import Path
 
-from rlpipe.schemas import PREFERENCES, commit_directory, exists, write_table_artifact
-
-
-def build_base_model(out: Path, texts: Sequence[str], *, size: str = "demo", seed: int = 0) -> Path:
-    """A tiny Llama + BPE tokenizer trained on `texts`, saved to `out` (skipped if complete)."""
-    if exists(out):
-        return out
-    from rlpipe.stages.common.tiny import build_model, save_pretrained, train_tokenizer
-
-    (out / "_manifest.json").unlink(missing_ok=True)
-    tokenizer = train_tokenizer(texts)
-    save_pretrained(build_model(tokenizer, "causal", size=size, seed=seed), tokenizer, out)
-    commit_directory(out, stage="tiny_model", config={"size": size, "seed": seed, "texts": len(texts)})
-    return out
+from rlpipe.schemas import PREFERENCES, exists, write_table_artifact
 
 
 def synthetic_preferences_for(out: Path, preset) -> Path:

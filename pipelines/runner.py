@@ -11,7 +11,6 @@ are not recomputed, unfinished ones are recomputed from scratch.
 
 from __future__ import annotations
 
-import importlib
 import re
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.preset import PIPELINE_FIELDS, Preset
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.config import ConfigError, StageConfig, parse_config
+from rlpipe.stages.common.cli import import_ref
 
 #: stage name -> (config class, run function), as import references (imported on first use).
 STAGE_RUNS: dict[str, tuple[str, str]] = {
@@ -41,19 +41,14 @@ STAGE_RUNS: dict[str, tuple[str, str]] = {
 StageCall = Callable[[str, StageConfig], Manifest]
 
 
-def _import(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def run_stage(name: str, config: StageConfig, *, force: bool = False) -> Manifest:
     """Run one stage in this process."""
-    return _import(STAGE_RUNS[name][1])(config, force=force)
+    return import_ref(STAGE_RUNS[name][1])(config, force=force)
 
 
 def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "preset", **pipeline: Any) -> StageConfig:
     """The stage's config: the preset's knobs for it plus the fields the pipeline assigns."""
-    cls = _import(STAGE_RUNS[name][0])
+    cls = import_ref(STAGE_RUNS[name][0])
     return parse_config(cls, {**(fragment or {}), **pipeline}, f"{source} ({name})")
 
 
@@ -72,7 +67,7 @@ _PLACEHOLDER = Path("/placeholder")
 def _placeholders(name: str, preset: Preset) -> dict[str, Any]:
     """The pipeline-owned fields a stage config requires, plus the optional inputs this preset
     will pass (a reference model or critic changes what the advantage stage accepts)."""
-    fields = _import(STAGE_RUNS[name][0]).model_fields
+    fields = import_ref(STAGE_RUNS[name][0]).model_fields
     # Distinct paths per field: some configs check that an output differs from an input.
     out: dict[str, Any] = {f: _PLACEHOLDER / f for f in PIPELINE_FIELDS[name] if fields[f].is_required()}
     uses_reference = preset.model.reference or preset.model.critic
@@ -245,11 +240,13 @@ class Pipeline:
         if m.base is not None:
             return m.base
         from rlpipe.pipelines import tasks
-        from rlpipe.pipelines.models import build_base_model
+        from rlpipe.stages.sft.base import make_base_checkpoint
 
         task = self.preset.data.task
         texts = tasks.tokenizer_texts(task.to_task()) if task else []
-        return build_base_model(self.layout.model("base"), texts, size=m.tiny_size, seed=self.preset.seed)
+        out = self.layout.model("base")
+        make_base_checkpoint(out, texts, size=m.tiny_size, seed=self.preset.seed)
+        return out
 
     def _prepare_reward_model(self, policy: Path, setup: Path) -> Path | None:
         p, L = self.preset, self.layout
@@ -321,4 +318,4 @@ class Pipeline:
 
 
 def _fields_of(name: str) -> set[str]:
-    return set(_import(STAGE_RUNS[name][0]).model_fields)
+    return set(import_ref(STAGE_RUNS[name][0]).model_fields)

@@ -16,7 +16,8 @@ from typing import Any
 from rlpipe.schemas.config import ConfigError, StageConfig, describe_fields, load_config
 
 
-def _import(ref: str) -> Any:
+def import_ref(ref: str) -> Any:
+    """The object named by 'package.module:attribute' (imported on call)."""
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -51,7 +52,7 @@ def stage_main(name: str, config_cls: type[StageConfig], run_ref: str, argv: Seq
 
         print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
         return 0
-    run = _import(run_ref)
+    run = import_ref(run_ref)
     started = time.perf_counter()
     manifest = run(config, force=args.force)
     elapsed = time.perf_counter() - started

@@ -48,8 +48,9 @@ def test_unknown_preset_lists_builtins():
 
 def test_pipeline_fields_exist_in_every_stage_config():
     from rlpipe.pipelines.preset import PIPELINE_FIELDS
-    from rlpipe.pipelines.runner import STAGE_RUNS, _import
+    from rlpipe.pipelines.runner import STAGE_RUNS
+    from rlpipe.stages.common.cli import import_ref
 
     for stage, fields in PIPELINE_FIELDS.items():
-        known = set(_import(STAGE_RUNS[stage][0]).model_fields)
+        known = set(import_ref(STAGE_RUNS[stage][0]).model_fields)
         assert fields <= known, f"{stage}: {sorted(fields - known)} are not fields of its config"

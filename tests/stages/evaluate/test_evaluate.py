@@ -1,5 +1,5 @@
 """evaluate: rollout (greedy, G=1) + score (answer_match) -> metrics, checked against an
-independent greedy decoder (stages/evaluate/greedy.py, plain `model.generate`)."""
+independent greedy decoder (tests/greedy_reference.py, plain `model.generate`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ PROMPTS_TEXT = [f"{a}+{b}=" for a in range(4) for b in range(5)]  # 20 prompts
 @pytest.fixture(scope="module")
 def reference(tiny_policy_dir):
     """Greedy responses of the tiny policy, decoded by the independent reference decoder."""
+    from greedy_reference import greedy_generate
+
     from rlpipe.stages.common.tiny import load_checkpoint
-    from rlpipe.stages.evaluate.greedy import greedy_generate
 
     model, tok = load_checkpoint(tiny_policy_dir)
     return greedy_generate(model, tok, PROMPTS_TEXT, max_new_tokens=5)

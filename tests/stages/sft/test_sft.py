@@ -36,8 +36,9 @@ def trained(data):
 
 
 def _accuracy(path, problems):
+    from greedy_reference import greedy_accuracy
+
     from rlpipe.stages.common.tiny import load_checkpoint
-    from rlpipe.stages.evaluate.greedy import greedy_accuracy
 
     model, tok = load_checkpoint(path)
     return greedy_accuracy(model, tok, [p.prompt for p in problems], [p.answer for p in problems])

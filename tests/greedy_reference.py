@@ -1,7 +1,7 @@
-"""Batched greedy decoding and the exact-answer verifier: held-out accuracy in one call.
+"""A reference greedy decoder for tests: plain `model.generate` plus an exact-answer check.
 
-This is the evaluate stage's fallback engine (and the quick accuracy probe used by the SFT
-feasibility study); when the rollout and score stages are available, evaluate runs them instead.
+Independent of the rollout and score stages on purpose, so tests can check the evaluate stage
+(built on those stages) and SFT accuracy against it.
 """
 
 from __future__ import annotations
