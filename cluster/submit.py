@@ -106,7 +106,7 @@ def module_for(stage: str) -> str:
         return EXTRA_MODULES[stage]
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; known: {sorted([*STAGES, *EXTRA_MODULES])}")
-    return STAGES[stage].removesuffix(".__main__")
+    return STAGES[stage].module
 
 
 def _template(name: str) -> _AtTemplate:

@@ -26,10 +26,7 @@ from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.config import StageConfig  # noqa: E402
-
-#: Retries per stage: generation and scoring can hit transient engine/worker failures; a failed
-#: optimisation step is not retried blindly (a deterministic error would just repeat).
-RETRIES = {"rollout": 1, "score": 1, "reference": 1, "evaluate": 1}
+from rlpipe.stages import get_stage  # noqa: E402
 
 
 @task(cache_policy=NONE, persist_result=False)
@@ -39,10 +36,11 @@ def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
 
 
 def _call(name: str, config: StageConfig) -> Manifest:
-    # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
-    output = getattr(config, "output", None)
+    # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes. Retries come from
+    # the registry: only stages whose failures can be transient (engines, workers) are retried.
+    output = next(iter(config.outputs().values()), None)
     task_name = f"{name}[{Path(output).parent.name}]" if output is not None else name
-    return stage_task.with_options(name=task_name, retries=RETRIES.get(name, 0), retry_delay_seconds=2)(name, config)
+    return stage_task.with_options(name=task_name, retries=get_stage(name).retries, retry_delay_seconds=2)(name, config)
 
 
 def _publish(run: str, record: IterationRecord) -> None:
@@ -69,8 +67,8 @@ def run_flow(preset: Preset, run_dir: str | None = None) -> str:
 @flow(name="rlpipe-stage", log_prints=True)
 def stage_flow(name: str, config: dict, force: bool = False) -> dict:
     """Run one stage on saved artifacts (config as the stage's YAML would give it)."""
-    from rlpipe.pipelines.runner import stage_config
+    from rlpipe.pipelines.plan import stage_config
 
-    manifest = stage_task.with_options(name=name, retries=RETRIES.get(name, 0))(
+    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(
         name, stage_config(name, config, "flow parameter"), force=force)
     return {"stage": name, "content_hash": manifest.content_hash, "rows": manifest.rows}

@@ -12,8 +12,6 @@ Start-up stays light: pyarrow, polars and torch are imported inside the commands
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from pathlib import Path
 from typing import Annotated
 
@@ -133,23 +131,18 @@ def stage(
     Everything after NAME goes to the stage's own command line (`rlpipe stage NAME --help`).
     """
     from rlpipe.stages import STAGES
+    from rlpipe.stages.common.cli import stage_main
 
     if name is None or name in ("-h", "--help"):
         console = _console()
         console.print(ctx.get_help(), markup=False)
-        console.print(f"\nstages: {', '.join(STAGES)}", markup=False)
+        console.print("\nstages:", markup=False)
+        for s in STAGES.values():
+            console.print(f"  {s.name:<13} {s.summary}", markup=False)
         raise typer.Exit(0 if name else 2)
     if name not in STAGES:
         raise _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}", 2)
-    module = STAGES[name]
-    try:
-        found = importlib.util.find_spec(module)
-    except ModuleNotFoundError:
-        found = None
-    if found is None:
-        raise _fail(f"stage {name!r} is not available: its module {module} does not exist (yet)", 2)
-    code = importlib.import_module(module).main(list(ctx.args))
-    raise typer.Exit(int(code or 0))
+    raise typer.Exit(stage_main(name, list(ctx.args)))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -2,14 +2,14 @@
 of iterations. `Preset` validates it, and checks every stage fragment against that stage's own
 config model at load time, so a typo in `rollout.temprature` is reported before anything runs.
 
-The stage fragments hold the stage's knobs only; the pipeline fills in the paths (inputs, outputs)
-and the per-iteration fields (iteration, policy_version, prompt_offset) for every call.
+The stage fragments hold the stage's knobs only; the pipeline fills in the fields each stage config
+marks as `Input`, `Output` or `Assigned` (paths, run name, iteration, ...) for every call.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,61 +17,17 @@ from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-# Fields each stage gets from the pipeline, never from the preset.
-PIPELINE_FIELDS: dict[str, set[str]] = {
-    "sft": {"base", "prompts", "output", "metrics_output", "run", "iteration"},
-    "reward_model": {"preferences", "base", "output", "metrics_output", "run"},
-    "rollout": {"checkpoint", "prompts", "output", "run", "iteration", "policy_version",
-                "num_prompts", "prompt_offset", "worker_index", "worker_count"},
-    "score": {"rollouts", "output", "worker_index", "worker_count"},
-    "reference": {"rollouts", "output", "reference_model", "critic"},
-    "advantage": {"scores", "output", "rollouts", "reference"},
-    "optimize": {"policy", "rollouts", "advantages", "reference", "critic", "output",
-                 "critic_output", "metrics_output", "run"},
-    "evaluate": {"checkpoint", "prompts", "output", "run", "iteration"},
-}
-
 
 class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
-class TaskSpec(_Spec):
-    """A synthetic verifiable task generated locally (no download): small integer arithmetic."""
-
-    kind: Literal["arithmetic"] = "arithmetic"
-    """The task family (only 'arithmetic' for now: prompts like '23+45=', answers like '68')."""
-    a_range: tuple[int, int] = (0, 99)
-    """(lowest, highest) first operand, inclusive."""
-    b_range: tuple[int, int] = (0, 99)
-    """(lowest, highest) second operand, inclusive; (0, 9) makes '+' much easier."""
-    ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
-    """Operations drawn from."""
-    n_train: int = Field(2000, ge=1)
-    """Training prompts (SFT and RL draw from these)."""
-    n_heldout: int = Field(200, ge=1)
-    """Held-out prompts for evaluation (disjoint from training)."""
-    sft_padded_fraction: float = Field(0.0, ge=0.0, le=1.0)
-    """Deliberately flawed warm-start data (the demo): in the SFT copy of the training prompts,
-    this fraction of the answers of problems whose first operand is >= `sft_padded_from` (drawn
-    with the seed) is zero-padded to three digits ('068'), as if those problems came from a second
-    source with another answer convention. The verifier accepts only the canonical answer ('68'),
-    so the warm start answers many such problems in the wrong form, while sampling still tries
-    the canonical one now and then: RL has to learn it from the reward alone. 0: canonical SFT."""
-    sft_padded_from: int = Field(0, ge=0)
-    """First operand from which SFT answers may be padded (see sft_padded_fraction)."""
-
-    def to_task(self):
-        from rlpipe.pipelines.tasks import ArithmeticTask
-
-        return ArithmeticTask(a_range=self.a_range, b_range=self.b_range, ops=self.ops)
-
-
 class DataSpec(_Spec):
     """Where prompts come from: existing `prompts` artifacts, or a generated task."""
 
-    task: TaskSpec | None = None
-    """Generate a synthetic task into runs/<run>/data/ (the demo)."""
+    task: dict[str, Any] | None = None
+    """Knobs of the `task` stage (a synthetic verifiable task generated into runs/<run>/data/task/,
+    the demo): kind, a_range, b_range, ops, n_train, n_heldout, sft_padded_fraction, ..."""
     prompts: Path | None = None
     """Training `prompts` artifact (when no task is given)."""
     eval_prompts: Path | None = None
@@ -90,9 +46,8 @@ class ModelSpec(_Spec):
     """The models a run starts from."""
 
     base: Path | None = None
-    """Base policy checkpoint (Hugging Face directory); None builds a tiny model locally."""
-    tiny_size: Literal["micro", "tiny", "demo"] = "demo"
-    """Size of the locally built model when `base` is None (demo: ~0.7M parameters)."""
+    """Base policy checkpoint (Hugging Face directory); None: the `base_model` stage builds a tiny
+    model locally (knobs in the preset's `base_model` section)."""
     reward_model: Path | None = None
     """A trained reward model to score with (else the preset's reward_model stage trains one)."""
     reference: bool = False
@@ -119,10 +74,17 @@ class Preset(_Spec):
     0 = only before the first and after the last."""
     data: DataSpec
     model: ModelSpec = ModelSpec()
+    base_model: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the base_model stage (size, vocab_size, max_positions) when model.base is None."""
     sft: dict[str, Any] | None = None
     """SFT warm-start knobs (stage `sft`); None skips SFT."""
     reward_model: dict[str, Any] | None = None
     """Reward-model training knobs (stage `reward_model`); None: no reward model is trained."""
+    preferences: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the preferences stage, which builds the reward model's training pairs when
+    data.preferences is not given (default: pairs from the training prompts' answers)."""
+    critic_init: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the critic_init stage (head initialisation) when model.critic is true."""
     rollout: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the rollout stage (group_size, temperature, max_new_tokens, ...)."""
     score: dict[str, Any] = Field(default_factory=dict)
@@ -138,15 +100,21 @@ class Preset(_Spec):
     evaluate: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the evaluate stage."""
 
+    def fragment(self, stage: str) -> dict[str, Any] | None:
+        """The preset's knobs for `stage` (None: the preset skips that optional stage)."""
+        return self.data.task if stage == "task" else getattr(self, stage)
+
     @model_validator(mode="after")
     def _check_stage_fragments(self) -> Preset:
-        for stage, fields in PIPELINE_FIELDS.items():
-            fragment = getattr(self, stage, None)
-            if fragment is None:
-                continue
-            clash = sorted(set(fragment) & fields)
-            if clash:
-                raise ValueError(f"{stage}: {clash} are set by the pipeline, not the preset")
+        from rlpipe.stages import STAGES
+
+        for name, stage in STAGES.items():
+            owned = set(self.fragment(name) or {}) & stage.config_class().pipeline_fields()
+            if owned:
+                raise ValueError(f"{name}: {sorted(owned)} are set by the pipeline, not the preset")
+        if self.model.base is None and self.data.task is None:
+            raise ValueError("model.base is required with data.prompts: the locally built tiny model "
+                             "(model.base unset) only knows the characters of the built-in task")
         return self
 
 
@@ -163,9 +131,12 @@ def load_preset(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         path = builtin
     data = apply_overrides(load_yaml(path), list(overrides))
     preset = parse_config(Preset, data, str(path))
-    from rlpipe.pipelines.runner import check_stage_configs
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
 
-    check_stage_configs(preset, source=str(path))
+    # Every stage config of the set-up and the first iteration, with the paths of the default run
+    # directory (paths only decide which inputs are given): a bad knob fails here.
+    Plan(preset, RunLayout(Path("runs") / preset.name), source=str(path)).validate()
     return preset
 
 

@@ -8,21 +8,94 @@ Field docs are attribute docstrings (shown by `--help` and recorded in the schem
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+
+@dataclass(frozen=True)
+class Input:
+    """Marks a config field as an input artifact: `rollouts: Annotated[Path, Input("rollouts")]`.
+
+    `kind` is a schema name (`rollouts`, `scores`, ...) or `checkpoint` (a Hugging Face directory).
+    The pipeline fills these fields, never the preset; the stage's cache key hashes their content.
+    """
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class Output:
+    """Marks a config field as an output artifact the stage writes (kind as for `Input`)."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """Marks a field the pipeline sets on every call (run name, iteration, worker split), never
+    the preset."""
+
+
+def _marked(cls: type[BaseModel], marker: type) -> dict[str, Any]:
+    return {name: m for name, info in cls.model_fields.items() for m in info.metadata if isinstance(m, marker)}
 
 
 class StageConfig(BaseModel):
-    """Base of every config: immutable, unknown keys rejected, field docs from docstrings."""
+    """Base of every config: immutable, unknown keys rejected, field docs from docstrings.
+
+    A stage config declares its inputs and outputs once, with `Input` / `Output` markers on the
+    path fields; the pipeline, the cache keys, the launchers and the preset checks read them.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     def resolved(self) -> dict[str, Any]:
         """JSON-able dict of every field, defaults included: what manifests record."""
         return self.model_dump(mode="json")
+
+    @classmethod
+    def input_fields(cls) -> dict[str, Input]:
+        """Field name -> Input marker, for every input artifact the config can name."""
+        return _marked(cls, Input)
+
+    @classmethod
+    def output_fields(cls) -> dict[str, Output]:
+        """Field name -> Output marker, for every artifact the stage can write."""
+        return _marked(cls, Output)
+
+    @classmethod
+    def pipeline_fields(cls) -> set[str]:
+        """Fields the pipeline sets on every call (inputs, outputs, assigned): never in a preset."""
+        return {*cls.input_fields(), *cls.output_fields(), *_marked(cls, Assigned)}
+
+    def inputs(self) -> dict[str, Path]:
+        """The input artifacts this config names (unset optional inputs left out)."""
+        return {name: getattr(self, name) for name in self.input_fields() if getattr(self, name) is not None}
+
+    def outputs(self) -> dict[str, Path]:
+        """The artifacts this config writes (unset optional outputs left out)."""
+        return {name: getattr(self, name) for name in self.output_fields() if getattr(self, name) is not None}
+
+    @model_validator(mode="after")
+    def _outputs_apart_from_inputs(self) -> StageConfig:
+        # A stage clears its output before writing it: an output equal to, inside or around an
+        # input would destroy that input, and two equal outputs would overwrite each other.
+        ins, outs = self.inputs(), self.outputs()
+        for o_name, out in outs.items():
+            o = Path(out).absolute()
+            for i_name, inp in ins.items():
+                i = Path(inp).absolute()
+                if o == i or i in o.parents or o in i.parents:
+                    raise ValueError(f"output {o_name!r} ({out}) overlaps input {i_name!r} ({inp}): "
+                                     "a stage never writes over its inputs; choose another output path")
+            for other_name, other in outs.items():
+                if other_name < o_name and Path(other).absolute() == o:
+                    raise ValueError(f"outputs {other_name!r} and {o_name!r} are the same path ({out})")
+        return self
 
 
 C = TypeVar("C", bound=BaseModel)

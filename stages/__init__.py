@@ -1,15 +1,77 @@
-"""The pipeline's stages; each a package with config.py, pure core, run.py and __main__.py.
+"""The stage registry: every stage of rlpipe, defined once.
 
-`STAGES` maps a stage name to the module whose `main(argv)` is its command line.
+A stage is a package `rlpipe.stages.<name>` with `config.py` (one typed config whose path fields
+carry `Input` / `Output` markers), `run.py` (`run(config, *, force=False) -> Manifest`) and
+`__main__.py` (`python -m rlpipe.stages.<name>`). The CLI (`rlpipe stage NAME`), the pipeline
+runner, the Prefect flows and the cluster launchers all read `STAGES`; nothing else lists stages.
+
+Light on purpose: importing this module imports neither torch nor the stages themselves.
 """
 
-STAGES: dict[str, str] = {
-    "rollout": "rlpipe.stages.rollout.__main__",
-    "score": "rlpipe.stages.score.__main__",
-    "reward_model": "rlpipe.stages.reward_model.__main__",
-    "reference": "rlpipe.stages.advantage.reference_main",
-    "advantage": "rlpipe.stages.advantage.__main__",
-    "optimize": "rlpipe.stages.optimize.__main__",
-    "sft": "rlpipe.stages.sft.__main__",
-    "evaluate": "rlpipe.stages.evaluate.__main__",
-}
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from rlpipe.schemas.config import StageConfig
+
+#: How a stage scales out: 'shards' (N independent worker processes, each writing a disjoint set
+#: of shards: `worker_index` / `worker_count`), 'ranks' (one multi-rank job: torchrun, DeepSpeed),
+#: or 'single' (one process).
+Scaling = Literal["shards", "ranks", "single"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One registry entry."""
+
+    name: str
+    """The stage name: `rlpipe stage <name>`, `python -m rlpipe.stages.<name>`, configs/<name>.yaml."""
+    config: str
+    """Class name of its config in `rlpipe.stages.<name>.config`."""
+    summary: str
+    """One line for listings."""
+    scaling: Scaling = "single"
+    """How the stage runs on more than one process."""
+    retries: int = 0
+    """Prefect retries: only stages whose failures can be transient (engines, workers)."""
+
+    @property
+    def module(self) -> str:
+        """The package run by `python -m`."""
+        return f"rlpipe.stages.{self.name}"
+
+    def config_class(self) -> type[StageConfig]:
+        return getattr(importlib.import_module(f"{self.module}.config"), self.config)
+
+    def run(self, config: StageConfig, *, force: bool = False) -> Any:
+        """Run the stage in this process; returns its primary output's manifest."""
+        return importlib.import_module(f"{self.module}.run").run(config, force=force)
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    # set-up
+    Stage("task", "TaskConfig", "generate a synthetic verifiable task as prompts artifacts"),
+    Stage("base_model", "BaseModelConfig", "build a tiny tokenizer and model locally (no download)"),
+    Stage("preferences", "PreferencesConfig", "build a synthetic preference set for reward-model training"),
+    Stage("sft", "SFTConfig", "supervised warm start (DeepSpeed)", scaling="ranks"),
+    Stage("reward_model", "RewardModelConfig", "Bradley-Terry reward-model training (DeepSpeed)", scaling="ranks"),
+    Stage("critic_init", "CriticInitConfig", "a critic (value head) initialised from a policy"),
+    # one RL iteration
+    Stage("rollout", "RolloutConfig", "sample G responses per prompt with the policy", scaling="shards", retries=1),
+    Stage("score", "ScoreConfig", "reward components and the total reward", scaling="shards", retries=1),
+    Stage("reference", "ReferenceConfig", "reference log-probs and critic values", retries=1),
+    Stage("advantage", "AdvantageConfig", "advantage estimators (grpo, rloo, gae, ...)"),
+    Stage("optimize", "OptimizeConfig", "policy (and critic) optimisation (DeepSpeed)", scaling="ranks"),
+    Stage("evaluate", "EvaluateConfig", "held-out greedy accuracy", retries=1),
+)}
+
+
+def get_stage(name: str) -> Stage:
+    """The registry entry of `name`; a clear error listing the stages otherwise."""
+    try:
+        return STAGES[name]
+    except KeyError:
+        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}") from None

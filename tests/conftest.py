@@ -73,7 +73,7 @@ MINI = {
     "eval_every": 1,
     "data": {"task": {"kind": "arithmetic", "a_range": [0, 9], "b_range": [0, 9], "ops": ["+"],
                       "n_train": 40, "n_heldout": 10}},
-    "model": {"tiny_size": "micro"},
+    "base_model": {"size": "micro"},
     "sft": {"max_steps": 5, "batch_size": 8, "lr": 3.0e-3},
     "rollout": {"group_size": 4, "max_new_tokens": 3},
     "score": {"components": [{"name": "correct", "type": "answer_match", "mode": "exact"}]},

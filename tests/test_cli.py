@@ -1,6 +1,5 @@
 """The `rlpipe` command line: schema, validate, inspect (artifact, checkpoint, run), stage."""
 
-import importlib.machinery
 import shutil
 import subprocess
 import sys
@@ -200,30 +199,48 @@ def test_inspect_checkpoint(tmp_path, tiny_policy_dir):
 
 
 @pytest.fixture
-def fake_stage(monkeypatch):
-    """A stage module that records its argv, registered as 'fake'."""
-    calls = []
-    mod = types.ModuleType("rlpipe_fake_stage")
-    mod.__spec__ = importlib.machinery.ModuleSpec("rlpipe_fake_stage", None)
-    mod.main = lambda argv: calls.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "rlpipe_fake_stage", mod)
-    from rlpipe.stages import STAGES
+def fake_stage(monkeypatch, tmp_path):
+    """A stage registered as 'fake' (config + run modules in sys.modules) that records its configs."""
+    from pathlib import Path as P
+    from typing import Annotated
 
-    monkeypatch.setitem(STAGES, "fake", "rlpipe_fake_stage")
-    monkeypatch.setitem(STAGES, "ghost", "rlpipe.stages.ghost.__main__")
+    from rlpipe.schemas import Manifest
+    from rlpipe.schemas.config import Output, StageConfig
+    from rlpipe.stages import STAGES, Stage
+
+    class FakeConfig(StageConfig):
+        """A fake stage."""
+
+        output: Annotated[P, Output("metrics")]
+        """Where it writes."""
+        seed: int = 0
+        """A knob."""
+
+    calls = []
+
+    def run(config, *, force=False):
+        calls.append((config, force))
+        return Manifest(kind="checkpoint", stage="fake", content_hash="0" * 64, files=[])
+
+    for name, attrs in (("config", {"FakeConfig": FakeConfig}), ("run", {"run": run})):
+        mod = types.ModuleType(f"rlpipe.stages.fake.{name}")
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(STAGES, "fake", Stage("fake", "FakeConfig", "a fake stage"))
     return calls
 
 
-def test_stage_dispatch(fake_stage):
-    r = invoke("stage", "fake", "-c", "x.yaml", "seed=1", "--force", "--help")
-    assert r.exit_code == 3
-    assert fake_stage == [["-c", "x.yaml", "seed=1", "--force", "--help"]]
+def test_stage_dispatch(fake_stage, tmp_path):
+    r = invoke("stage", "fake", f"output={tmp_path}", "seed=1", "--force")
+    assert r.exit_code == 0, r.output
+    (config, force), = fake_stage
+    assert config.seed == 1 and force and f"fake: wrote {tmp_path}" in r.output
+    r = invoke("stage", "fake", "sed=1")
+    assert r.exit_code == 2 and "unknown key 'sed'" in r.output
     r = invoke("stage", "nope")
-    assert r.exit_code == 2 and "unknown stage 'nope'; stages: rollout, score" in r.output and "fake" in r.output
-    r = invoke("stage", "ghost")
-    assert r.exit_code == 2 and "module rlpipe.stages.ghost.__main__ does not exist" in r.output
+    assert r.exit_code == 2 and "unknown stage 'nope'; stages: task, base_model" in r.output and "fake" in r.output
     r = invoke("stage", "--help")
-    assert r.exit_code == 0 and "stages: rollout" in r.output
+    assert r.exit_code == 0 and "reference " in r.output and "reference log-probs and critic values" in r.output
 
 
 def test_installed_entry_point_and_light_startup():

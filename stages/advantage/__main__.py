@@ -1,16 +1,11 @@
-"""`python -m rlpipe.stages.advantage` / `rlpipe stage advantage`: advantages of saved scores."""
-
-from __future__ import annotations
+"""`python -m rlpipe.stages.advantage [-c FILE] [key=value ...]`: the stage alone on saved artifacts
+(`rlpipe stage advantage --help` lists its config keys)."""
 
 import sys
 
-from rlpipe.stages.advantage.config import AdvantageConfig
-from rlpipe.stages.common.cli import stage_main
+from rlpipe.stages.common.cli import stage_entry
 
+main = stage_entry(__spec__.parent)
 
-def main(argv: list[str] | None = None) -> int:
-    return stage_main("advantage", AdvantageConfig, "rlpipe.stages.advantage.run:run", argv)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard also keeps engine worker processes from re-running it
     sys.exit(main())

@@ -1,13 +1,13 @@
-"""Configs of the advantage stage and of the reference forward-pass step (no heavy imports)."""
+"""Config of the advantage stage (no heavy imports)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Input, Output, StageConfig
 
 #: The names in `rlpipe.stages.advantage.estimators.ADVANTAGE_ESTIMATORS` (a test keeps them equal).
 EstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gae"]
@@ -41,13 +41,13 @@ class KLConfig(BaseModel):
 class AdvantageConfig(StageConfig):
     """Advantage stage: scores (+ rollouts, + reference log-probs / critic values) -> advantages."""
 
-    scores: Path
+    scores: Annotated[Path, Input("scores")]
     """Input scores artifact."""
-    output: Path
+    output: Annotated[Path, Output("advantages")]
     """Output advantages artifact directory."""
-    rollouts: Path | None = None
+    rollouts: Annotated[Path | None, Input("rollouts")] = None
     """Input rollouts artifact (behaviour log-probs); needed for any KL (kl.in_reward, kl column)."""
-    reference: Path | None = None
+    reference: Annotated[Path | None, Input("reference")] = None
     """Input reference artifact (reference log-probs and/or critic values); gae needs its values."""
     estimator: EstimatorName = "grpo"
     """Advantage estimator (registry name): grpo, dr_grpo, rloo, reinforce_pp_baseline, gae."""
@@ -74,29 +74,4 @@ class AdvantageConfig(StageConfig):
             raise ValueError("kl.in_reward needs both `rollouts` (behaviour log-probs) and `reference`")
         if self.estimator == "gae" and self.reference is None:
             raise ValueError("estimator 'gae' needs `reference`: an artifact with critic values")
-        return self
-
-
-class ReferenceConfig(StageConfig):
-    """Reference step: rollouts -> per-token reference log-probs and/or critic values."""
-
-    rollouts: Path
-    """Input rollouts artifact."""
-    output: Path
-    """Output reference artifact directory (one shard per rollouts shard, same index)."""
-    reference_model: Path | None = None
-    """Frozen reference checkpoint (causal LM, Hugging Face format) for `ref_logprobs`."""
-    critic: Path | None = None
-    """Critic checkpoint (token classification, one label) for `values`."""
-    batch_size: int = Field(32, ge=1)
-    """Sequences per forward pass."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to run the forward passes; 'auto' takes CUDA when available."""
-    seed: int = 0
-    """Seed (forward passes are deterministic; kept for the common config shape)."""
-
-    @model_validator(mode="after")
-    def _something_to_do(self) -> ReferenceConfig:
-        if self.reference_model is None and self.critic is None:
-            raise ValueError("set `reference_model` and/or `critic`: there is nothing to compute")
         return self

@@ -36,7 +36,7 @@ from rlpipe.stages.advantage.estimators import (
 )
 from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
 from rlpipe.stages.advantage.stats import advantage_summary
-from rlpipe.stages.advantage.tables import KEY, align, length_mask, list_array, padded, shard_index
+from rlpipe.stages.common.tables import KEY, align, length_mask, list_array, padded, shard_index
 
 SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
 

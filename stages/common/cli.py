@@ -7,13 +7,15 @@ so `--help` and config errors answer at once.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlpipe.schemas.config import ConfigError, StageConfig, describe_fields, load_config
+from rlpipe.schemas.config import ConfigError, describe_fields, load_config
 
 
 def import_ref(ref: str) -> Any:
@@ -22,14 +24,36 @@ def import_ref(ref: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def stage_main(name: str, config_cls: type[StageConfig], run_ref: str, argv: Sequence[str] | None = None) -> int:
+def _strip_local_rank(argv: Sequence[str]) -> list[str]:
+    """The deepspeed launcher appends `--local_rank=N` to every rank's argv; it becomes LOCAL_RANK."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg.startswith("--local_rank"):
+            value = arg.partition("=")[2] or next(it, "0")
+            os.environ.setdefault("LOCAL_RANK", value)
+            continue
+        out.append(arg)
+    return out
+
+
+def stage_entry(package: str) -> Callable[[Sequence[str] | None], int]:
+    """`main(argv)` of the stage package `rlpipe.stages.<name>` (every stage's `__main__.py`)."""
+    return functools.partial(stage_main, package.rpartition(".")[2])
+
+
+def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     """Parse a stage's command line, run it, print where its artifact went; returns an exit code.
 
     Args:
-        name: stage name (for messages).
-        config_cls: the stage's config model.
-        run_ref: 'module:function' of the stage's `run(config, *, force=False) -> Manifest`.
+        name: a key of the stage registry (`rlpipe.stages.STAGES`).
+        argv: the arguments (default: sys.argv[1:]).
     """
+    from rlpipe.stages import get_stage
+
+    stage = get_stage(name)
+    config_cls = stage.config_class()
+    argv = _strip_local_rank(sys.argv[1:] if argv is None else argv)
     fields = "\n".join(f"  {k} ({t}, default {d})\n      {doc}" for k, t, d, doc in describe_fields(config_cls))
     parser = argparse.ArgumentParser(
         prog=f"rlpipe stage {name}",
@@ -52,11 +76,10 @@ def stage_main(name: str, config_cls: type[StageConfig], run_ref: str, argv: Seq
 
         print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
         return 0
-    run = import_ref(run_ref)
     started = time.perf_counter()
-    manifest = run(config, force=args.force)
+    manifest = stage.run(config, force=args.force)
     elapsed = time.perf_counter() - started
-    where = getattr(config, "output", None)
+    where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"
     print(f"{name}: wrote {where} ({rows}, content {manifest.content_hash[:12]}) in {elapsed:.1f} s")
     return 0

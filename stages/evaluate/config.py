@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
 
 
 class EvaluateConfig(StageConfig):
@@ -16,15 +16,15 @@ class EvaluateConfig(StageConfig):
     answer_match component) and write a `metrics` artifact: accuracy, mean reward, response length.
     The eval rollouts and scores are kept in `<output>/rollouts` and `<output>/scores`."""
 
-    checkpoint: Path
+    checkpoint: Annotated[Path, Input("checkpoint")]
     """Policy checkpoint to evaluate (Hugging Face directory)."""
-    prompts: Path
+    prompts: Annotated[Path, Input("prompts")]
     """Held-out `prompts` artifact; every row needs an answer."""
-    output: Path
+    output: Annotated[Path, Output("metrics")]
     """Output `metrics` artifact directory (eval rollouts/scores go in subdirectories of it)."""
-    run: str = "run"
+    run: Annotated[str, Assigned()] = "run"
     """Run name recorded in the rows."""
-    iteration: int = Field(0, ge=0)
+    iteration: Annotated[int, Assigned()] = Field(0, ge=0)
     """Iteration recorded in the rows (the policy version evaluated)."""
     max_new_tokens: int = Field(8, ge=1)
     """Response length limit."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
 
 
 class OptimizeConfig(StageConfig):
@@ -20,25 +20,25 @@ class OptimizeConfig(StageConfig):
     artifacts and this config are all a resumed run needs to reproduce the same result.
     """
 
-    policy: Path
+    policy: Annotated[Path, Input("checkpoint")]
     """Policy checkpoint to start from (Hugging Face directory)."""
-    rollouts: Path
+    rollouts: Annotated[Path, Input("rollouts")]
     """`rollouts` artifact: prompt/response token ids and the rollout engine's log-probs."""
-    advantages: Path
+    advantages: Annotated[Path, Input("advantages")]
     """`advantages` artifact: per-token advantages (+ returns, values, ref log-probs)."""
-    reference: Path | None = None
+    reference: Annotated[Path | None, Input("reference")] = None
     """Optional `reference` artifact with per-token reference log-probs (used instead of the
     advantages' `ref_logprobs` column when given)."""
-    critic: Path | None = None
+    critic: Annotated[Path | None, Input("checkpoint")] = None
     """Critic checkpoint (PPO); a causal LM or token-classification checkpoint, loaded as
     AutoModelForTokenClassification with one label. None: no critic is trained."""
-    output: Path
+    output: Annotated[Path, Output("checkpoint")]
     """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
-    critic_output: Path | None = None
+    critic_output: Annotated[Path | None, Output("checkpoint")] = None
     """Where the new critic checkpoint goes; required when `critic` is set."""
-    metrics_output: Path
+    metrics_output: Annotated[Path, Output("metrics")]
     """Where the `metrics` artifact (one row per step and metric) goes."""
-    run: str = "run"
+    run: Annotated[str, Assigned()] = "run"
     """Run name written into the metrics rows."""
 
     loss: Literal["ppo_clip", "gspo"] = "ppo_clip"

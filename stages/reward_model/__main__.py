@@ -1,17 +1,11 @@
-"""`python -m rlpipe.stages.reward_model [-c FILE] [key=value ...]`: train a reward model."""
-
-from __future__ import annotations
+"""`python -m rlpipe.stages.reward_model [-c FILE] [key=value ...]`: the stage alone on saved artifacts
+(`rlpipe stage reward_model --help` lists its config keys)."""
 
 import sys
-from collections.abc import Sequence
 
-from rlpipe.stages.common.cli import stage_main
-from rlpipe.stages.reward_model.config import RewardModelConfig
+from rlpipe.stages.common.cli import stage_entry
 
+main = stage_entry(__spec__.parent)
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return stage_main("reward_model", RewardModelConfig, "rlpipe.stages.reward_model.run:run", argv)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard also keeps engine worker processes from re-running it
     sys.exit(main())

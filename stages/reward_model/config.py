@@ -3,29 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
 
 
 class RewardModelConfig(StageConfig):
     """Train a Bradley-Terry reward model (scalar head, reward at the last token) with DeepSpeed."""
 
-    preferences: Path
+    preferences: Annotated[Path, Input("preferences")]
     """Input `preferences` artifact (pair_id, prompt, chosen, rejected, optional margin)."""
-    base: Path
+    base: Annotated[Path, Input("checkpoint")]
     """Hugging Face checkpoint to start from: a causal LM (a fresh 1-label `score` head is added,
     initialised from `seed`) or a 1-label sequence-classification model."""
-    output: Path
+    output: Annotated[Path, Output("checkpoint")]
     """Directory of the trained reward-model checkpoint (Hugging Face format + `_manifest.json`)."""
-    metrics_output: Path | None = None
+    metrics_output: Annotated[Path | None, Output("metrics")] = None
     """Output `metrics` artifact (loss per step, held-out accuracy, reward mean/std);
     default: `<output>_metrics` beside the checkpoint."""
-    run: str = "reward_model"
+    run: Annotated[str, Assigned()] = "reward_model"
     """Run name written into the metrics rows."""
-    iteration: int = Field(0, ge=0)
+    iteration: Annotated[int, Assigned()] = Field(0, ge=0)
     """Iteration written into the metrics rows."""
     seed: int = 0
     """Seeds the head initialisation, the held-out split and the data order."""

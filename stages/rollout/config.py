@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
 
 
 class RolloutConfig(StageConfig):
@@ -18,17 +18,17 @@ class RolloutConfig(StageConfig):
     are log pi_theta(token | prefix) from the policy's raw logits (temperature 1, before top-p/top-k).
     """
 
-    checkpoint: Path
+    checkpoint: Annotated[Path, Input("checkpoint")]
     """Policy checkpoint directory (Hugging Face format)."""
-    prompts: Path
+    prompts: Annotated[Path, Input("prompts")]
     """Input prompts artifact (schema `prompts`)."""
-    output: Path
+    output: Annotated[Path, Output("rollouts")]
     """Output rollouts artifact directory."""
-    run: str = "run"
+    run: Annotated[str, Assigned()] = "run"
     """Run name recorded in every row."""
-    iteration: int = Field(0, ge=0)
+    iteration: Annotated[int, Assigned()] = Field(0, ge=0)
     """Training iteration these rollouts belong to (recorded, and part of every group's seed)."""
-    policy_version: int = Field(0, ge=0)
+    policy_version: Annotated[int, Assigned()] = Field(0, ge=0)
     """Optimisation rounds applied to the checkpoint (recorded in every row)."""
     engine: Literal["transformers", "vllm"] = "transformers"
     """Generation engine. 'vllm' needs vLLM importable (on CPU: `make vllm-env`, then run the stage
@@ -52,21 +52,21 @@ class RolloutConfig(StageConfig):
     seed: int = Field(0, ge=0)
     """Stage seed; group g is sampled with a seed derived from (seed, iteration, g)."""
 
-    num_prompts: int | None = Field(None, ge=1)
+    num_prompts: Annotated[int | None, Assigned()] = Field(None, ge=1)
     """Groups to generate: prompts taken in artifact order from `prompt_offset`, wrapping around
     the end (None = every prompt once)."""
-    prompt_offset: int = Field(0, ge=0)
+    prompt_offset: Annotated[int, Assigned()] = Field(0, ge=0)
     """Index of the first prompt taken (modulo the prompt count): a pipeline passes
     iteration * num_prompts to walk through the prompts across iterations."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate call (batch rows = batch_size * G); batches never cross a shard."""
     groups_per_shard: int = Field(64, ge=1)
     """Shard size in groups: shard k holds groups [k*S, (k+1)*S)."""
-    worker_index: int | None = Field(None, ge=0)
+    worker_index: Annotated[int | None, Assigned()] = Field(None, ge=0)
     """None: this process generates every shard and writes the manifest. An int i: worker i of
     `worker_count` generates the shards k with k % worker_count == i into the shared output
     directory; the worker that finishes last writes the manifest listing all shards."""
-    worker_count: int = Field(1, ge=1)
+    worker_count: Annotated[int, Assigned()] = Field(1, ge=1)
     """Number of workers sharing the artifact (see worker_index)."""
 
     device: str = "auto"

@@ -1,17 +1,11 @@
-"""`python -m rlpipe.stages.score [-c FILE] [key=value ...]`: score rollouts."""
-
-from __future__ import annotations
+"""`python -m rlpipe.stages.score [-c FILE] [key=value ...]`: the stage alone on saved artifacts
+(`rlpipe stage score --help` lists its config keys)."""
 
 import sys
-from collections.abc import Sequence
 
-from rlpipe.stages.common.cli import stage_main
-from rlpipe.stages.score.config import ScoreConfig
+from rlpipe.stages.common.cli import stage_entry
 
+main = stage_entry(__spec__.parent)
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return stage_main("score", ScoreConfig, "rlpipe.stages.score.run:run", argv)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard also keeps engine worker processes from re-running it
     sys.exit(main())

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
 
 
 class _Component(BaseModel):
@@ -125,20 +125,20 @@ Component = Annotated[
 class ScoreConfig(StageConfig):
     """Score rollouts: total reward R = sum_k w_k * r_k plus one column per component."""
 
-    rollouts: Path
+    rollouts: Annotated[Path, Input("rollouts")]
     """Input `rollouts` artifact."""
-    output: Path
+    output: Annotated[Path, Output("scores")]
     """Output `scores` artifact (one shard per rollouts shard, same index)."""
     components: list[Component] = Field(min_length=1)
     """Reward components, each {name, type, weight, ...}; type: reward_model | answer_match |
     regex_format | overlong | python."""
     seed: int = 0
     """Unused by the built-in components (all deterministic); recorded for user functions."""
-    worker_index: int | None = Field(None, ge=0)
+    worker_index: Annotated[int | None, Assigned()] = Field(None, ge=0)
     """None: this process scores every shard and writes the manifest. An int i: worker i of
     `worker_count` scores the shards k with k % worker_count == i into the shared output
     directory; the worker that finishes last writes the manifest listing all shards."""
-    worker_count: int = Field(1, ge=1)
+    worker_count: Annotated[int, Assigned()] = Field(1, ge=1)
     """Number of scorer processes sharing the artifact (see worker_index)."""
 
     @model_validator(mode="after")

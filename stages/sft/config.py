@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
 
 
 class SFTConfig(StageConfig):
     """Supervised fine-tuning warm start: next-token loss on prompt+answer text, trained with
     DeepSpeed; writes a Hugging Face checkpoint and a `metrics` artifact with the loss curve."""
 
-    base: Path
+    base: Annotated[Path, Input("checkpoint")]
     """Checkpoint to start from (Hugging Face directory with tokenizer)."""
-    prompts: Path
+    prompts: Annotated[Path, Input("prompts")]
     """`prompts` artifact. Rows with an answer train on prompt+answer+EOS; rows whose answer is
     null are plain text (the prompt column) and train on every token."""
-    output: Path
+    output: Annotated[Path, Output("checkpoint")]
     """Where to write the fine-tuned checkpoint (model + tokenizer + _manifest.json)."""
-    metrics_output: Path | None = None
+    metrics_output: Annotated[Path | None, Output("metrics")] = None
     """Where to write the `metrics` artifact (loss per step); None: `<output>_metrics` beside it."""
     loss_on: Literal["answer", "all"] = "answer"
     """Tokens that carry loss for rows with an answer: 'answer' = answer tokens + EOS only,
@@ -48,16 +48,10 @@ class SFTConfig(StageConfig):
     """DeepSpeed ZeRO stage."""
     seed: int = 0
     """Seeds data order (and dropout, if any)."""
-    run: str = "sft"
+    run: Annotated[str, Assigned()] = "sft"
     """Run name recorded in the metrics rows."""
-    iteration: int = 0
+    iteration: Annotated[int, Assigned()] = 0
     """Iteration recorded in the metrics rows."""
-
-    @model_validator(mode="after")
-    def _check(self) -> SFTConfig:
-        if self.output == self.base:
-            raise ValueError("output must differ from base (the base checkpoint is read, never overwritten)")
-        return self
 
     @property
     def metrics_path(self) -> Path:

@@ -3,7 +3,7 @@
 Reads a `prompts` artifact and a base checkpoint; writes a Hugging Face checkpoint (+ tokenizer,
 + `_manifest.json` written last) and a `metrics` artifact with the loss curve.
 
-    python -m rlpipe.stages.sft base=ckpt/base prompts=task/train output=runs/x/sft max_steps=300
+    python -m rlpipe.stages.base_model.run=ckpt/base prompts=task/train output=runs/x/sft max_steps=300
     torchrun --nproc_per_node 2 -m rlpipe.stages.sft -c sft.yaml       # 2 ranks, gloo on CPU
 """
 

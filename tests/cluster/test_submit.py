@@ -19,7 +19,7 @@ from rlpipe.cluster.submit import JobSpec, main, module_for, render_k8s, render_
 
 def test_module_names():
     assert module_for("optimize") == "rlpipe.stages.optimize"
-    assert module_for("reference") == "rlpipe.stages.advantage.reference_main"
+    assert module_for("reference") == "rlpipe.stages.reference"
     assert module_for("smoke") == "rlpipe.cluster.smoke"
     with pytest.raises(ValueError, match="unknown stage 'optimise'"):
         JobSpec(stage="optimise")

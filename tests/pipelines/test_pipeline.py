@@ -105,7 +105,7 @@ def test_ppo_preset_runs_end_to_end(tmp_path):
     the reward, critic trained by optimize; every artifact of the iteration exists and validates."""
     from rlpipe.schemas import validate_artifact
 
-    preset = load_preset("ppo", ["iterations=1", "sft.max_steps=5", "model.tiny_size=micro",
+    preset = load_preset("ppo", ["iterations=1", "sft.max_steps=5", "base_model.size=micro",
                                  "prompts_per_iteration=8", "data.task.n_train=60", "data.task.n_heldout=10",
                                  "optimize.minibatch_size=8", "optimize.micro_batch_size=8"])
     run_dir = tmp_path / "ppo"

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rlpipe.pipelines.tasks import (
+from rlpipe.schemas import PROMPTS, read_manifest, read_table_artifact
+from rlpipe.stages.task.arithmetic import (
     ArithmeticTask,
     Problem,
     all_problems,
@@ -14,7 +15,6 @@ from rlpipe.pipelines.tasks import (
     tokenizer_texts,
     write_task,
 )
-from rlpipe.schemas import PROMPTS, read_manifest, read_table_artifact
 
 
 def test_answers_are_correct():

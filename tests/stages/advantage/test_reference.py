@@ -1,4 +1,5 @@
-"""The reference step (reference log-probs, critic values) and the critic builder on the tiny policy."""
+"""The reference stage (reference log-probs, critic values) and the critic_init stage on the tiny policy.
+(Here beside the advantage tests, whose artifact fixtures they share.)"""
 
 from __future__ import annotations
 
@@ -9,19 +10,19 @@ import pytest
 import torch
 
 from rlpipe.schemas import REFERENCE, iter_shards, read_manifest, validate_artifact
-from rlpipe.stages.advantage.config import ReferenceConfig
-from rlpipe.stages.advantage.critic import build_critic
-from rlpipe.stages.advantage.critic import main as critic_main
-from rlpipe.stages.advantage.reference import run_reference
-from rlpipe.stages.advantage.reference_main import main
+from rlpipe.stages.common.cli import stage_main
 from rlpipe.stages.common.forward import teacher_forced_logprobs
 from rlpipe.stages.common.models import load_model
+from rlpipe.stages.critic_init.config import CriticInitConfig
+from rlpipe.stages.critic_init.run import run as build_critic
+from rlpipe.stages.reference.config import ReferenceConfig
+from rlpipe.stages.reference.run import run as run_reference
 
 
 @pytest.fixture(scope="module")
 def critic_dir(tmp_path_factory, tiny_policy_dir):
     out = tmp_path_factory.mktemp("critic")
-    build_critic(tiny_policy_dir, out, head="normal", seed=3)
+    build_critic(CriticInitConfig(policy=tiny_policy_dir, output=out, head="normal", seed=3))
     return out
 
 
@@ -73,7 +74,7 @@ def test_reference_logprobs_equal_teacher_forced_and_values_match_unpadded_forwa
 
 
 def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, rollouts_dir, tiny_policy_dir):
-    assert critic_main([str(tiny_policy_dir), str(tmp_path / "critic0"), "--head", "zero"]) == 0
+    assert stage_main("critic_init", [f"policy={tiny_policy_dir}", f"output={tmp_path / 'critic0'}", "head=zero"]) == 0
     assert read_manifest(tmp_path / "critic0").kind == "checkpoint"
     critic, _ = load_model(tmp_path / "critic0", "critic", cache=False)
     policy, _ = load_model(tiny_policy_dir, "causal")
@@ -82,7 +83,7 @@ def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, ro
     for name, tensor in critic.model.state_dict().items():
         assert torch.equal(tensor, backbone[name]), name
     # CLI, critic only: every value is exactly 0 and ref_logprobs are null.
-    assert main([f"rollouts={rollouts_dir}", f"output={tmp_path / 'ref'}", f"critic={tmp_path / 'critic0'}",
+    assert stage_main("reference", [f"rollouts={rollouts_dir}", f"output={tmp_path / 'ref'}", f"critic={tmp_path / 'critic0'}",
                  "device=cpu"]) == 0
     for _, table in iter_shards(tmp_path / "ref", REFERENCE):
         assert table.column("ref_logprobs").null_count == table.num_rows
@@ -91,7 +92,7 @@ def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, ro
 
 def test_reference_config_needs_a_model(tmp_path):
     with pytest.raises(ValueError, match="nothing to compute"):
-        ReferenceConfig(rollouts=tmp_path, output=tmp_path)
+        ReferenceConfig(rollouts=tmp_path / "rollouts", output=tmp_path / "ref")
 
 
 @pytest.mark.gpu

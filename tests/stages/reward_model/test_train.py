@@ -14,6 +14,7 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.stages.common.models import load_model
+from rlpipe.stages.preferences.synthetic import synthetic_preferences, write_synthetic_preferences
 from rlpipe.stages.reward_model import engine
 from rlpipe.stages.reward_model.__main__ import main
 from rlpipe.stages.reward_model.config import RewardModelConfig
@@ -24,7 +25,6 @@ from rlpipe.stages.reward_model.modeling import (
     score_texts,
 )
 from rlpipe.stages.reward_model.run import run
-from rlpipe.stages.reward_model.synthetic import synthetic_preferences, write_synthetic_preferences
 
 
 @pytest.fixture(scope="module")

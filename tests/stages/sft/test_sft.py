@@ -6,11 +6,16 @@ import json
 
 import pytest
 
-from rlpipe.pipelines.tasks import ArithmeticTask, make_splits, tokenizer_texts, write_prompts
 from rlpipe.schemas import METRICS, read_manifest, read_table_artifact, validate_artifact
-from rlpipe.stages.sft.base import make_base_checkpoint
+from rlpipe.stages.base_model.run import make_base_checkpoint
 from rlpipe.stages.sft.config import SFTConfig
 from rlpipe.stages.sft.run import run
+from rlpipe.stages.task.arithmetic import (
+    ArithmeticTask,
+    make_splits,
+    tokenizer_texts,
+    write_prompts,
+)
 
 # Single-digit addition, all 100 problems: the tiny model learns it in a couple of hundred steps.
 TASK = ArithmeticTask(a_range=(0, 9), b_range=(0, 9))
@@ -90,7 +95,7 @@ def test_cache_hit_and_same_seed_same_checkpoint(data, trained, tmp_path):
 
 
 def test_config_rejects_overwriting_base(tmp_path):
-    with pytest.raises(ValueError, match="output must differ"):
+    with pytest.raises(ValueError, match="output 'output' .* overlaps input 'base'"):
         SFTConfig(base=tmp_path / "m", prompts=tmp_path / "p", output=tmp_path / "m")
 
 

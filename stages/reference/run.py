@@ -1,4 +1,4 @@
-"""The reference step: per-token reference log-probs and critic values of saved rollouts.
+"""The reference stage: per-token reference log-probs and critic values of saved rollouts.
 
 The one place for the forward passes that come before advantages (ALGORITHMS.md sections 4-5):
 - `ref_logprobs[t] = log pi_ref(a_t | prompt, a_<t)` from a frozen causal LM, through the shared
@@ -29,10 +29,10 @@ from rlpipe.schemas import (
     iter_shards,
     read_manifest,
 )
-from rlpipe.stages.advantage.config import ReferenceConfig
-from rlpipe.stages.advantage.tables import KEY, list_array_from_numpy, shard_index
 from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
 from rlpipe.stages.common.models import checkpoint_key, load_model
+from rlpipe.stages.common.tables import KEY, list_array_from_numpy, shard_index
+from rlpipe.stages.reference.config import ReferenceConfig
 
 COLUMNS = ["run", *KEY, "prompt_token_ids", "response_token_ids"]
 
@@ -80,7 +80,7 @@ def _check_vocab(model, prompts: list[list[int]], responses: list[list[int]], wh
                              f"(size {vocab}); were the rollouts made with another tokenizer?")
 
 
-def run_reference(config: ReferenceConfig, *, force: bool = False) -> Manifest:
+def run(config: ReferenceConfig, *, force: bool = False) -> Manifest:
     """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
     started = time.time()
     inputs = {"rollouts": read_manifest(config.rollouts).as_input(config.rollouts)}

@@ -1,19 +1,17 @@
 """A synthetic preference set whose chosen and rejected responses differ by a learnable property.
 
-Kinds:
+Kinds (and `answer_preferences`, pairs from a prompts artifact's answers):
     arithmetic  prompt 'Q: a+b= A:'; chosen ' <a+b>', rejected ' <a wrong sum>' (off by 1..3).
                 The property a reward model must learn: the answer is the correct sum.
     keyword     prompt 'Q: say something A:'; both responses are random words, the chosen one
                 contains the target word. The property: the target word is present.
 
-Usage: python -m rlpipe.stages.reward_model.synthetic OUT [--pairs N] [--kind K] [--seed S]
+The `preferences` stage writes them: `rlpipe stage preferences kind=keyword pairs=256 output=OUT`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
+import random
 from pathlib import Path
 from typing import Literal
 
@@ -61,28 +59,35 @@ def synthetic_preferences(n_pairs: int, *, kind: Kind = "arithmetic", seed: int 
     )
 
 
+def answer_preferences(prompts: Path | str, *, seed: int = 0) -> pa.Table:
+    """One pair per row of a `prompts` artifact: chosen is the reference answer, rejected a near
+    miss (answer +- 1..3, never negative); pair_id is '<prompt_id>-<row>'."""
+    from rlpipe.schemas import PROMPTS, read_table_artifact
+
+    table = read_table_artifact(prompts, PROMPTS, columns=["prompt_id", "prompt", "answer"])
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"pair_id": [], "prompt": [], "chosen": [], "rejected": [], "margin": []}
+    for i, (pid, prompt, answer) in enumerate(zip(*(table.column(c).to_pylist() for c in table.column_names),
+                                                  strict=True)):
+        try:
+            right = int(answer)
+        except (TypeError, ValueError):
+            raise ValueError(f"{prompts}: row {i} (prompt_id {pid!r}) has answer {answer!r}, not an integer; "
+                             "kind 'answers' makes near-miss integers") from None
+        wrong = right + rng.choice([-3, -2, -1, 1, 2, 3])
+        rows["pair_id"].append(f"{pid}-{i}")
+        rows["prompt"].append(prompt)
+        rows["chosen"].append(str(right))
+        rows["rejected"].append(str(wrong if wrong >= 0 else right + 1))
+        rows["margin"].append(None)
+    return pa.table(rows, schema=PREFERENCES.arrow())
+
+
 def write_synthetic_preferences(path: Path | str, n_pairs: int, *, kind: Kind = "arithmetic",
                                 seed: int = 0, rows_per_shard: int | None = None) -> Manifest:
     """Write a synthetic `preferences` artifact to `path`."""
     table = synthetic_preferences(n_pairs, kind=kind, seed=seed)
     return write_table_artifact(
-        path, PREFERENCES, table, stage="synthetic_preferences",
+        path, PREFERENCES, table, stage="preferences",
         config={"n_pairs": n_pairs, "kind": kind, "seed": seed}, rows_per_shard=rows_per_shard,
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlpipe.stages.reward_model.synthetic",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="output preferences artifact directory")
-    parser.add_argument("--pairs", type=int, default=1000)
-    parser.add_argument("--kind", choices=["arithmetic", "keyword"], default="arithmetic")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    manifest = write_synthetic_preferences(args.out, args.pairs, kind=args.kind, seed=args.seed)
-    print(f"wrote {args.out} ({manifest.rows} pairs, content {manifest.content_hash[:12]})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

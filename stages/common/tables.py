@@ -1,4 +1,4 @@
-"""Arrow <-> tensor plumbing of the advantage and reference steps: joins by key, padding, lists.
+"""Arrow <-> tensor plumbing of the advantage and reference stages: joins by key, padding, lists.
 
 Per-token list columns (`list<float32>`) become right-padded (B, T) tensors with a length mask,
 and back. Joins are by the rollout key (iteration, group_id, sample_index), so inputs written by

@@ -9,10 +9,10 @@ Problems are enumerated from the difficulty knobs (operand range, operations), s
 seed, and cut into disjoint train / held-out splits, so the held-out accuracy measures
 generalisation to unseen problems of the same distribution.
 
-Usage:
+Usage (the `task` stage does this from its config):
     task = ArithmeticTask(a_range=(0, 99), b_range=(0, 99), ops=("+",))
     paths = write_task(run_dir / "task", task, n_train=4000, n_heldout=200, seed=0)
-    texts = tokenizer_texts(task)             # for train_tokenizer
+    texts = tokenizer_texts(task)             # for train_tokenizer (the base_model stage)
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def split_problems(task: ArithmeticTask, sizes: Mapping[str, int], seed: int) ->
 
 
 def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, task: ArithmeticTask,
-                  seed: int) -> Manifest:
+                  seed: int, cache_key: str | None = None) -> Manifest:
     """Write `problems` as a `prompts` artifact (prompt_id, prompt, answer, metadata JSON)."""
     meta = {"task": "arithmetic", "split": split, **asdict(task)}
     return write_table_artifact(
@@ -156,6 +156,7 @@ def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, 
         },
         stage="task",
         config={"task": asdict(task), "split": split, "seed": seed, "rows": len(problems)},
+        cache_key=cache_key,
     )
 
 
@@ -182,7 +183,7 @@ def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_hel
 
 
 def write_mixed_format_copy(src: Path | str, dst: Path | str, *, fraction: float, seed: int,
-                            pad_from: int = 0, width: int = 3) -> Manifest:
+                            pad_from: int = 0, width: int = 3, cache_key: str | None = None) -> Manifest:
     """Copy a `prompts` artifact with `fraction` of the answers of problems whose first operand is
     >= `pad_from` (drawn with `seed`) zero-padded to `width` digits ('68' -> '068'): warm-start
     data from two sources with different answer conventions, where the verifier accepts only the
@@ -198,7 +199,7 @@ def write_mixed_format_copy(src: Path | str, dst: Path | str, *, fraction: float
     return write_table_artifact(
         dst, PROMPTS, rows, stage="task",
         config={"source": str(src), "fraction": fraction, "pad_from": pad_from, "seed": seed, "width": width},
-        inputs={"prompts": read_manifest(src).as_input(src)},
+        inputs={"prompts": read_manifest(src).as_input(src)}, cache_key=cache_key,
     )
 
 

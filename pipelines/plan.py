@@ -1,0 +1,183 @@
+"""What a preset runs: every stage call of a run, with its full config, as a pure function of the
+preset and the run directory.
+
+The plan touches no file: the paths each stage reads and writes follow from the run layout
+(`layout.py`), so the same plan validates a preset before anything runs (every stage config is
+built, with the real paths) and drives the runner. A stage's config is the preset's fragment for
+that stage (its knobs) plus the fields the pipeline assigns: the ones the stage config marks as
+`Input`, `Output` or `Assigned` (see `rlpipe.schemas.config`).
+
+    set-up:     task -> base_model -> sft -> preferences -> reward_model -> critic_init -> evaluate
+    iteration:  rollout -> score -> (reference) -> advantage -> optimize -> (evaluate)
+
+Stages whose inputs the preset supplies itself (its own prompts, base model or reward model) are
+left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlpipe.pipelines.layout import RunLayout
+from rlpipe.pipelines.preset import Preset
+from rlpipe.schemas.config import ConfigError, StageConfig, parse_config
+from rlpipe.stages import get_stage
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One stage to run: its registry name, its config, and the folder its YAML is saved in."""
+
+    name: str
+    config: StageConfig
+    config_dir: Path
+
+    @property
+    def config_file(self) -> Path:
+        """configs/<stage>.yaml: rerun the stage alone with `rlpipe stage <name> -c <this file>`."""
+        return self.config_dir / f"{self.name}.yaml"
+
+
+def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "preset", **assigned: Any) -> StageConfig:
+    """The config of stage `name`: its knobs from the preset plus the fields the pipeline assigns."""
+    cls = get_stage(name).config_class()
+    return parse_config(cls, {**(fragment or {}), **assigned}, f"{source} ({name})")
+
+
+class Plan:
+    """The stage calls of a preset run in `layout` (see the module docstring)."""
+
+    def __init__(self, preset: Preset, layout: RunLayout, source: str = "preset"):
+        self.preset, self.layout, self.source = preset, layout, source
+        self.setup_dir = layout.root / "configs"
+
+    def call(self, name: str, config_dir: Path, **assigned: Any) -> StageCall:
+        """A stage call: the preset's fragment (with the run's seed) plus the assigned fields."""
+        fragment = dict(self.preset.fragment(name) or {})
+        if "seed" in get_stage(name).config_class().model_fields:
+            fragment.setdefault("seed", self.preset.seed)
+        return StageCall(name, stage_config(name, fragment, self.source, **assigned), config_dir)
+
+    # -- the artifacts a run starts from ---------------------------------------------------
+    def task(self) -> StageCall | None:
+        """The task stage (when the preset generates its prompts)."""
+        if self.preset.data.task is None:
+            return None
+        d = self.layout.data("task")
+        sft = d / "sft" if self.preset.data.task.get("sft_padded_fraction") else None
+        return self.call("task", self.setup_dir, train=d / "train", heldout=d / "heldout", sft=sft)
+
+    def prompts(self) -> tuple[Path, Path, Path]:
+        """(training, held-out, SFT) prompts artifacts."""
+        task = self.task()
+        if task is None:
+            d = self.preset.data
+            assert d.prompts is not None  # the preset's validator guarantees one source
+            return d.prompts, d.eval_prompts or d.prompts, d.prompts
+        c = task.config
+        return c.train, c.heldout, c.sft or c.train
+
+    def base_policy(self) -> Path:
+        return self.preset.model.base or self.layout.model("base")
+
+    def start_policy(self) -> Path:
+        """The policy the first iteration starts from (after SFT when there is SFT)."""
+        return self.layout.model("sft") if self.preset.sft is not None else self.base_policy()
+
+    def reward_model(self) -> Path | None:
+        m = self.preset.model
+        if m.reward_model is not None or self.preset.reward_model is None:
+            return m.reward_model
+        return self.layout.model("reward")
+
+    def preferences(self) -> Path:
+        return self.preset.data.preferences or self.layout.data("preferences")
+
+    def reference_model(self) -> Path | None:
+        return self.start_policy() if self.preset.model.reference else None
+
+    def policy(self, k: int) -> Path:
+        """The policy iteration k samples with and optimises."""
+        return self.layout.stage(k - 1, "policy") if k > 0 else self.start_policy()
+
+    def critic(self, k: int) -> Path | None:
+        if not self.preset.model.critic:
+            return None
+        return self.layout.stage(k - 1, "critic") if k > 0 else self.layout.model("critic")
+
+    # -- the calls -------------------------------------------------------------------------
+    def setup(self) -> list[StageCall]:
+        """Set-up calls in order: data, base model, SFT, reward model, critic, first evaluation."""
+        p, L = self.preset, self.layout
+        train, heldout, sft_prompts = self.prompts()
+        calls = [c for c in (self.task(),) if c is not None]
+        if p.model.base is None:
+            from rlpipe.stages.task.arithmetic import tokenizer_texts
+
+            calls.append(self.call("base_model", self.setup_dir, output=self.base_policy(),
+                                   tokenizer_texts=tokenizer_texts(self.task().config.to_task())))
+        if p.sft is not None:
+            calls.append(self.call("sft", self.setup_dir, base=self.base_policy(), prompts=sft_prompts,
+                                   output=L.model("sft"), metrics_output=L.model("sft_metrics"),
+                                   run=L.name, iteration=0))
+        if p.model.reward_model is None and p.reward_model is not None:
+            if p.data.preferences is None:
+                calls.append(self.call("preferences", self.setup_dir, prompts=train, output=self.preferences()))
+            calls.append(self.call("reward_model", self.setup_dir, preferences=self.preferences(),
+                                   base=self.start_policy(), output=self.reward_model(),
+                                   metrics_output=L.model("reward_metrics"), run=L.name))
+        if p.model.critic:
+            calls.append(self.call("critic_init", self.setup_dir, policy=self.start_policy(), output=self.critic(0)))
+        calls.append(self.call("evaluate", self.setup_dir, checkpoint=self.start_policy(), prompts=heldout,
+                               output=L.initial_eval(), run=L.name, iteration=0))
+        return calls
+
+    def iteration(self, k: int) -> list[StageCall]:
+        """The calls of RL iteration k (0-based), in order."""
+        p, L = self.preset, self.layout
+        train, heldout, _ = self.prompts()
+        cfgs = L.iteration(k) / "configs"
+        rollouts, scores = L.stage(k, "rollouts"), L.stage(k, "scores")
+        calls = [
+            # Iteration k samples the next slice of the training prompts (wrapping around).
+            self.call("rollout", cfgs, checkpoint=self.policy(k), prompts=train, output=rollouts, run=L.name,
+                      iteration=k, policy_version=k, num_prompts=p.prompts_per_iteration,
+                      prompt_offset=k * p.prompts_per_iteration),
+            self.call("score", cfgs, rollouts=rollouts, output=scores, **self._score_components()),
+        ]
+        reference = None
+        if p.model.reference or p.model.critic:
+            reference = L.stage(k, "reference")
+            calls.append(self.call("reference", cfgs, rollouts=rollouts, output=reference,
+                                   reference_model=self.reference_model(), critic=self.critic(k)))
+        joined = {"rollouts": rollouts, "reference": reference} if reference is not None else {}
+        calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined))
+        critic = self.critic(k)
+        calls.append(self.call("optimize", cfgs, policy=self.policy(k), rollouts=rollouts,
+                               advantages=L.stage(k, "advantages"), reference=reference, critic=critic,
+                               output=L.stage(k, "policy"), metrics_output=L.stage(k, "metrics"),
+                               critic_output=L.stage(k, "critic") if critic is not None else None, run=L.name))
+        if k == p.iterations - 1 or (p.eval_every and (k + 1) % p.eval_every == 0):
+            calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
+                                   output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
+        return calls
+
+    def validate(self) -> None:
+        """Build every config of the set-up and of the first iteration: bad knobs fail now."""
+        self.setup()
+        self.iteration(0)
+
+    def _score_components(self) -> dict[str, Any]:
+        """The score fragment's components, a `checkpoint: reward_model` made the run's reward model."""
+        comps = []
+        for c in (self.preset.score or {}).get("components", []):
+            c = dict(c)
+            if c.get("type") == "reward_model" and c.get("checkpoint") in (None, "reward_model"):
+                if self.reward_model() is None:
+                    raise ConfigError(f"{self.source}: score component {c.get('name')!r} of type reward_model "
+                                      "needs a reward model: set model.reward_model or the reward_model stage")
+                c["checkpoint"] = self.reward_model()
+            comps.append(c)
+        return {"components": comps} if comps else {}

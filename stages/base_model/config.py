@@ -1,0 +1,28 @@
+"""Config of the base_model stage: tokenizer texts + model size -> a tiny checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from rlpipe.schemas.config import Output, StageConfig
+
+
+class BaseModelConfig(StageConfig):
+    """Train a byte-level BPE tokenizer on `tokenizer_texts` and build a causal Llama of `size`
+    with seeded random weights (`rlpipe.stages.common.tiny`); save both in Hugging Face format."""
+
+    output: Annotated[Path, Output("checkpoint")]
+    """Where the checkpoint goes (model + tokenizer + _manifest.json)."""
+    tokenizer_texts: tuple[str, ...] = Field(min_length=1)
+    """Texts the tokenizer is trained on (the pipeline passes the task's characters)."""
+    size: Literal["micro", "tiny", "demo"] = "demo"
+    """Model size (micro: unit tests, tiny: ~0.1M parameters, demo: ~0.7M)."""
+    vocab_size: int = Field(320, ge=16)
+    """Tokenizer vocabulary size (specials and the 256 byte symbols included)."""
+    max_positions: int = Field(256, ge=8)
+    """Context length of the model (max_position_embeddings)."""
+    seed: int = 0
+    """Seeds the model's initialisation."""

@@ -1,0 +1,23 @@
+"""Config of the critic_init stage: policy checkpoint -> critic checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from rlpipe.schemas.config import Input, Output, StageConfig
+
+
+class CriticInitConfig(StageConfig):
+    """Build a critic from a policy: the policy's backbone with a one-output token-classification
+    head (V_t at the position before response token t), saved in Hugging Face format."""
+
+    policy: Annotated[Path, Input("checkpoint")]
+    """Policy checkpoint whose backbone the critic starts from."""
+    output: Annotated[Path, Output("checkpoint")]
+    """Where the critic checkpoint goes (with the policy's tokenizer)."""
+    head: Literal["zero", "normal"] = "zero"
+    """Value-head initialisation: 'zero' (V = 0 everywhere at the start) or 'normal' (std
+    1 / (hidden + 1), as OpenRLHF)."""
+    seed: int = 0
+    """Seeds the head's initialisation."""

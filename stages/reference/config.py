@@ -1,0 +1,35 @@
+"""Config of the reference stage: rollouts -> per-token reference log-probs and critic values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from rlpipe.schemas.config import Input, Output, StageConfig
+
+
+class ReferenceConfig(StageConfig):
+    """Reference stage: rollouts -> per-token reference log-probs and/or critic values."""
+
+    rollouts: Annotated[Path, Input("rollouts")]
+    """Input rollouts artifact."""
+    output: Annotated[Path, Output("reference")]
+    """Output reference artifact directory (one shard per rollouts shard, same index)."""
+    reference_model: Annotated[Path | None, Input("checkpoint")] = None
+    """Frozen reference checkpoint (causal LM, Hugging Face format) for `ref_logprobs`."""
+    critic: Annotated[Path | None, Input("checkpoint")] = None
+    """Critic checkpoint (token classification, one label) for `values`."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per forward pass."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run the forward passes; 'auto' takes CUDA when available."""
+    seed: int = 0
+    """Seed (forward passes are deterministic; kept for the common config shape)."""
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> ReferenceConfig:
+        if self.reference_model is None and self.critic is None:
+            raise ValueError("set `reference_model` and/or `critic`: there is nothing to compute")
+        return self

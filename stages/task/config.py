@@ -1,0 +1,63 @@
+"""Config of the task stage: knobs of the arithmetic task -> train / held-out / SFT prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from rlpipe.schemas.config import Output, StageConfig
+
+
+class TaskConfig(StageConfig):
+    """Generate the arithmetic task ('23+45=' -> '68') as disjoint train and held-out `prompts`
+    artifacts (no download), and optionally a flawed copy of the training prompts for SFT."""
+
+    train: Annotated[Path, Output("prompts")]
+    """Training prompts artifact (SFT and RL draw from these)."""
+    heldout: Annotated[Path, Output("prompts")]
+    """Held-out prompts artifact for evaluation (disjoint from training)."""
+    sft: Annotated[Path | None, Output("prompts")] = None
+    """The SFT copy of the training prompts with flawed answers (see sft_padded_fraction); set when
+    sft_padded_fraction > 0."""
+    kind: Literal["arithmetic"] = "arithmetic"
+    """The task family (only 'arithmetic' for now)."""
+    a_range: tuple[int, int] = (0, 99)
+    """(lowest, highest) first operand, inclusive."""
+    b_range: tuple[int, int] = (0, 99)
+    """(lowest, highest) second operand, inclusive; (0, 9) makes '+' much easier."""
+    ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
+    """Operations drawn from."""
+    n_train: int = Field(2000, ge=1)
+    """Training prompts."""
+    n_heldout: int = Field(200, ge=1)
+    """Held-out prompts."""
+    sft_padded_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Deliberately flawed warm-start data (the demo): in the SFT copy of the training prompts,
+    this fraction of the answers of problems whose first operand is >= `sft_padded_from` (drawn
+    with the seed) is zero-padded to three digits ('068'), as if those problems came from a second
+    source with another answer convention. The verifier accepts only the canonical answer ('68'),
+    so the warm start answers many such problems in the wrong form, while sampling still tries
+    the canonical one now and then: RL has to learn it from the reward alone. 0: canonical SFT."""
+    sft_padded_from: int = Field(0, ge=0)
+    """First operand from which SFT answers may be padded (see sft_padded_fraction)."""
+    seed: int = Field(0, ge=0)
+    """Seeds the split and the flawed copy."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        for name, (lo, hi) in (("a_range", self.a_range), ("b_range", self.b_range)):
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {[lo, hi]}")
+        if not self.ops:
+            raise ValueError("ops must name at least one operation of '+', '-', '*'")
+        if self.sft is not None and self.sft_padded_fraction == 0:
+            raise ValueError("sft is set but sft_padded_fraction is 0: the copy would equal train")
+        return self
+
+    def to_task(self):
+        """The task's problem space (`rlpipe.stages.task.arithmetic.ArithmeticTask`)."""
+        from rlpipe.stages.task.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(a_range=self.a_range, b_range=self.b_range, ops=self.ops)

@@ -1,0 +1,29 @@
+"""The task stage: write the arithmetic task's splits (and the flawed SFT copy) as artifacts.
+
+Each output is an artifact of its own (manifest last); a rerun with the same config finds them
+complete and writes nothing.
+"""
+
+from __future__ import annotations
+
+from rlpipe.schemas import Manifest, cache_key, cached_manifest
+from rlpipe.stages.task import arithmetic
+from rlpipe.stages.task.config import TaskConfig
+
+STAGE = "task"
+
+
+def run(config: TaskConfig, *, force: bool = False) -> Manifest:
+    """Write the outputs of `config`; returns the training prompts' manifest."""
+    key = cache_key(STAGE, config.resolved(), {})
+    outputs = config.outputs()
+    if not force and all(cached_manifest(p, key) is not None for p in outputs.values()):
+        return cached_manifest(config.train, key)
+    task = config.to_task()
+    splits = arithmetic.split_problems(task, {"train": config.n_train, "heldout": config.n_heldout}, config.seed)
+    for split, problems in splits.items():
+        arithmetic.write_prompts(outputs[split], problems, split=split, task=task, seed=config.seed, cache_key=key)
+    if config.sft is not None:
+        arithmetic.write_mixed_format_copy(config.train, config.sft, fraction=config.sft_padded_fraction,
+                                           pad_from=config.sft_padded_from, seed=config.seed, cache_key=key)
+    return cached_manifest(config.train, key)
