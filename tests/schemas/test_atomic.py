@@ -17,7 +17,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     validate_artifact,
 )
-from rlpipe.schemas.artifact import _tmp_path, atomic_write_bytes
+from rlpipe.schemas.atomic import atomic_write_bytes, temp_path_for
 from rlpipe.schemas.examples import example_table
 
 # Writes 4 shards of 8 rows. Shard 0 is written normally; while writing shard 1 the Parquet
@@ -101,7 +101,7 @@ def test_killed_writer_leaves_no_artifact_and_rerun_completes(tmp_path):
 
 
 def test_temporary_names_are_hidden_and_per_process(tmp_path):
-    tmp = _tmp_path(tmp_path / "part-00003.parquet")
+    tmp = temp_path_for(tmp_path / "part-00003.parquet")
     assert tmp.name == f".part-00003.parquet.{os.getpid()}.tmp"
     assert not tmp.match("part-*.parquet")
     atomic_write_bytes(tmp_path / "x.bin", b"abc")
