@@ -24,6 +24,7 @@ from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.preset import PIPELINE_FIELDS, Preset
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.config import ConfigError, StageConfig, parse_config
+from rlpipe.schemas.runs import iteration_dirs
 from rlpipe.stages.common.cli import import_ref
 
 #: stage name -> (config class, run function), as import references (imported on first use).
@@ -313,7 +314,7 @@ class Pipeline:
         return "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in m.items())
 
     def _last_eval(self) -> Path | None:
-        evals = sorted(self.layout.root.glob("iter_*/eval"))
+        evals = [d / "eval" for _, d in iteration_dirs(self.layout.root) if (d / "eval").exists()]
         return evals[-1] if evals else self.layout.initial_eval()
 
 
