@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlpipe.pipelines.cli import _quiet_libraries
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.pipelines.runner import Pipeline, run_stage
+    from rlpipe.schemas import iteration_dir_name
 
     _quiet_libraries()
     preset = load_preset(args.preset, [f"iterations={args.iterations}", "eval_every=0", *args.overrides])
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'iter':>4} " + " ".join(f"{s:>9}" for s in stages) + f" {'total':>7} {'compute':>8} {'outside':>8}")
     outside_fracs, totals = [], []
     for r in records:
-        comp = _compute_seconds(run_dir / f"iter_{r.iteration:04d}")
+        comp = _compute_seconds(run_dir / iteration_dir_name(r.iteration))
         total = r.seconds["total"]
         compute = sum(comp.values())
         frac = 1 - compute / total

@@ -26,6 +26,7 @@ from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.config import StageConfig  # noqa: E402
+from rlpipe.schemas.runs import iteration_dir_name  # noqa: E402
 from rlpipe.stages import get_stage  # noqa: E402
 
 
@@ -47,8 +48,8 @@ def _publish(run: str, record: IterationRecord) -> None:
     rows = [f"| {k} | {v:.4g} |" for k, v in record.metrics.items()]
     rows += [f"| seconds_{k} | {v:.3f} |" for k, v in record.seconds.items()]
     create_markdown_artifact(
-        # Artifact keys allow lowercase letters, digits and dashes only.
-        key=re.sub(r"[^a-z0-9-]", "-", f"{run.lower()}-iter-{record.iteration:04d}"),
+        # Artifact keys allow lowercase letters, digits and dashes only ("demo-iter-0003").
+        key=re.sub(r"[^a-z0-9-]", "-", f"{run.lower()}-{iteration_dir_name(record.iteration)}"),
         markdown="\n".join([f"### {run}: iteration {record.iteration + 1}", "", "| metric | value |",
                             "|---|---|", *rows]),
         description=f"rlpipe {run} iteration {record.iteration + 1}",

@@ -27,6 +27,7 @@ from rlpipe.schemas import (
     scan_artifact,
     scan_run,
 )
+from rlpipe.schemas.runs import iteration_dirs, iteration_index
 
 #: Metrics shown per iteration when a run's metrics artifacts log them (ALGORITHMS.md section 7),
 #: in this order; `--metric NAME` adds others.
@@ -39,12 +40,6 @@ MAX_ITEMS = 6  # list items shown per sample cell
 # ---------------------------------------------------------------------------------------------
 # What is at a path
 # ---------------------------------------------------------------------------------------------
-def iteration_dirs(path: Path) -> list[tuple[int, Path]]:
-    """(N, dir) of every `iter_NNNN` directory of a run, in iteration order."""
-    found = [(int(d.name[5:]), d) for d in path.glob("iter_*") if d.is_dir() and d.name[5:].isdigit()]
-    return sorted(found)
-
-
 def kind_of(path: Path) -> str:
     """'table', 'checkpoint' or 'run'; raises ArtifactNotFound for anything else."""
     path = Path(path)
@@ -341,7 +336,7 @@ def _other_artifacts(run_dir: Path) -> list[Path]:
     found = []
     for mf in sorted(run_dir.rglob(MANIFEST_NAME)):
         rel = mf.parent.relative_to(run_dir)
-        if rel.parts and not (rel.parts[0].startswith("iter_") and rel.parts[0][5:].isdigit()):
+        if rel.parts and iteration_index(rel.parts[0]) is None:
             found.append(mf.parent)
     return found
 

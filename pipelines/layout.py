@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name
+
 
 @dataclass(frozen=True)
 class RunLayout:
@@ -46,13 +48,13 @@ class RunLayout:
         return self.root / "models" / name
 
     def iteration(self, k: int) -> Path:
-        return self.root / f"iter_{k:04d}"
+        return self.root / iteration_dir_name(k)
 
     def stage(self, k: int, name: str) -> Path:
         return self.iteration(k) / name
 
     def initial_eval(self) -> Path:
-        return self.root / "eval_0000"
+        return self.root / INITIAL_EVAL_DIR
 
     @property
     def report(self) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlpipe.schemas import exists, read_manifest, read_table_artifact
+from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name, iteration_dirs
 
 #: The component a preset names `correct` (an answer-match verifier) is shown as accuracy.
 ACCURACY_COMPONENT = "reward__correct"
@@ -22,7 +23,7 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
     optimiser means (from metrics) and the held-out accuracy when it was evaluated."""
     import polars as pl
 
-    it = Path(run_dir) / f"iter_{k:04d}"
+    it = Path(run_dir) / iteration_dir_name(k)
     out: dict[str, float] = {}
     if exists(it / "scores"):
         s = pl.from_arrow(read_table_artifact(it / "scores"))
@@ -58,8 +59,7 @@ def run_table(run_dir: Path | str):
 
     run_dir = Path(run_dir)
     rows = []
-    for it in sorted(run_dir.glob("iter_*")):
-        k = int(it.name.split("_")[1])
+    for k, it in iteration_dirs(run_dir):
         row: dict[str, float] = {"iteration": k, **iteration_metrics(run_dir, k)}
         for stage in ("rollouts", "scores", "reference", "advantages", "policy", "eval"):
             if exists(it / stage):
@@ -79,7 +79,7 @@ def write_report(run_dir: Path | str) -> Path:
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     table = run_table(run_dir)
-    initial = eval_metrics(run_dir / "eval_0000") if exists(run_dir / "eval_0000") else {}
+    initial = eval_metrics(run_dir / INITIAL_EVAL_DIR) if exists(run_dir / INITIAL_EVAL_DIR) else {}
     panels = [("reward_mean", "reward (mean)"), ("accuracy", "train accuracy"),
               ("eval_accuracy", "held-out accuracy"), ("kl_ref", "KL to reference"),
               ("approx_kl", "approx KL to old"), ("entropy", "entropy"),

@@ -21,8 +21,9 @@ from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan, StageCall
 from rlpipe.pipelines.preset import Preset
 from rlpipe.schemas import Manifest
-from rlpipe.schemas.artifact import atomic_write_bytes
+from rlpipe.schemas.atomic import atomic_write_bytes
 from rlpipe.schemas.config import ConfigError, StageConfig
+from rlpipe.schemas.runs import iteration_dirs
 from rlpipe.stages import get_stage
 
 StageCallable = Callable[[str, StageConfig], Manifest]
@@ -141,7 +142,7 @@ class Pipeline:
         return "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in m.items())
 
     def _last_eval(self) -> Path | None:
-        evals = sorted(self.layout.root.glob("iter_*/eval"))
+        evals = [d / "eval" for _, d in iteration_dirs(self.layout.root) if (d / "eval").exists()]
         return evals[-1] if evals else self.layout.initial_eval()
 
 

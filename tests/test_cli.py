@@ -24,6 +24,7 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.examples import example_table
+from rlpipe.schemas.runs import iteration_dir_name
 
 runner = CliRunner()
 FORMAT = SCORES.families[0].column("format")
@@ -54,7 +55,7 @@ def run_dir(tmp_path):
     """runs/demo: iterations 0-1 complete, 2 with rollouts only, 3 with an unfinished rollouts."""
     run = tmp_path / "demo"
     for k in range(3):
-        it = run / f"iter_{k:04d}"
+        it = run / iteration_dir_name(k)
         write_table_artifact(it / "rollouts", ROLLOUTS, example_table(ROLLOUTS, 8, iteration=k, seed=k),
                              stage="rollout", rows_per_shard=4, shard_by="group_id")
         if k < 2:

@@ -29,7 +29,7 @@ from rlpipe.schemas import (
     read_manifest,
     write_table_artifact,
 )
-from rlpipe.schemas.artifact import commit_directory
+from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.models import checkpoint_key, load_model, remember
 from rlpipe.stages.optimize.config import OptimizeConfig

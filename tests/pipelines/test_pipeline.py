@@ -13,6 +13,7 @@ import pytest
 from rlpipe.pipelines.preset import load_preset
 from rlpipe.pipelines.runner import Pipeline
 from rlpipe.schemas import read_manifest
+from rlpipe.schemas.runs import iteration_dir_name
 
 ARTIFACTS = ("rollouts", "scores", "advantages", "policy", "metrics", "eval")
 
@@ -35,8 +36,8 @@ def test_pipeline_writes_the_layout_and_a_rerun_recomputes_nothing(mini_preset_f
     assert [r.iteration for r in records] == [0, 1]
     for k in (0, 1):
         for name in ARTIFACTS:
-            assert (run_dir / f"iter_{k:04d}" / name / "_manifest.json").is_file(), (k, name)
-        assert (run_dir / f"iter_{k:04d}" / "configs" / "optimize.yaml").is_file()
+            assert (run_dir / iteration_dir_name(k) / name / "_manifest.json").is_file(), (k, name)
+        assert (run_dir / iteration_dir_name(k) / "configs" / "optimize.yaml").is_file()
     # the policy of iteration 1 was trained from iteration 0's policy
     assert read_manifest(run_dir / "iter_0001/policy").inputs["policy"].path == str(run_dir / "iter_0000/policy")
     assert (run_dir / "report" / "curves.png").stat().st_size > 1000

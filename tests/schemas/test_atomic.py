@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -17,7 +18,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     validate_artifact,
 )
-from rlpipe.schemas.artifact import _tmp_path, atomic_write_bytes
+from rlpipe.schemas.atomic import atomic_write_bytes, temp_path_for
 from rlpipe.schemas.examples import example_table
 
 # Writes 4 shards of 8 rows. Shard 0 is written normally; while writing shard 1 the Parquet
@@ -79,14 +80,14 @@ def test_killed_writer_leaves_no_artifact_and_rerun_completes(tmp_path):
     tmp = tmp_path / "rollouts" / signal_file.read_text().rsplit("/", 1)[-1]
     assert tmp.name.startswith(".part-00001.parquet.") and tmp.name.endswith(".tmp")
     assert 0 < tmp.stat().st_size
-    with pytest.raises(Exception):  # noqa: B017 - truly not a Parquet file
+    with pytest.raises(pa.ArrowInvalid, match="magic bytes not found in footer"):  # cut before its footer
         pq.read_metadata(tmp)
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-00000.parquet"]
     assert pq.read_metadata(out / "part-00000.parquet").num_rows == 8  # complete, not partial
     assert not (out / "_manifest.json").exists()
     with pytest.raises(ArtifactNotFound, match="no _manifest.json"):
         read_table_artifact(out)
-    assert validate_artifact(out) != []
+    assert validate_artifact(out) == [f"artifact {out} has no _manifest.json (incomplete: its stage did not finish)"]
 
     # Rerun (same code path, no stall): the leftovers are cleaned, the artifact is complete.
     writer = ArtifactWriter(out, ROLLOUTS, stage="test")
@@ -101,7 +102,7 @@ def test_killed_writer_leaves_no_artifact_and_rerun_completes(tmp_path):
 
 
 def test_temporary_names_are_hidden_and_per_process(tmp_path):
-    tmp = _tmp_path(tmp_path / "part-00003.parquet")
+    tmp = temp_path_for(tmp_path / "part-00003.parquet")
     assert tmp.name == f".part-00003.parquet.{os.getpid()}.tmp"
     assert not tmp.match("part-*.parquet")
     atomic_write_bytes(tmp_path / "x.bin", b"abc")

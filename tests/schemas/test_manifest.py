@@ -1,6 +1,9 @@
 """Manifests: what they record, content hashes, cache keys, checkpoint directories."""
 
 import json
+import re
+import time
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -22,7 +25,7 @@ def test_cache_key_equality():
     key = cache_key("rollout", cfg, {"prompts": "abc", "policy": "def"})
     # same stage, config (any key order) and inputs (any order) -> same key
     assert key == cache_key("rollout", dict(reversed(list(cfg.items()))), {"policy": "def", "prompts": "abc"})
-    assert len(key) == 64 and int(key, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{64}", key)  # hex SHA-256
     # anything different -> different key
     assert key != cache_key("score", cfg, {"prompts": "abc", "policy": "def"})
     assert key != cache_key("rollout", {**cfg, "seed": 2}, {"prompts": "abc", "policy": "def"})
@@ -35,12 +38,18 @@ def test_manifest_records_provenance_and_cache_hit(tmp_path):
     out = tmp_path / "prompts"
     key = cache_key("data", {"n": 5}, {})
     table = example_table(PROMPTS, 5)
+    before = datetime.now().astimezone().replace(microsecond=0)  # created_at has whole seconds
+    t0 = time.time()
     m = write_table_artifact(out, PROMPTS, table, stage="data", config={"n": 5}, cache_key=key)
+    elapsed, after = time.time() - t0, datetime.now().astimezone()
     on_disk = json.loads((out / MANIFEST_NAME).read_text())
     assert on_disk["schema_name"] == "prompts" and on_disk["rows"] == 5 and on_disk["stage"] == "data"
     assert on_disk["config"] == {"n": 5} and on_disk["cache_key"] == key
     assert {"pyarrow", "pydantic", "python"} <= set(on_disk["library_versions"])
-    assert on_disk["wall_time_s"] >= 0 and on_disk["created_at"]
+    # the default wall time is the time the call took; created_at is an aware timestamp of now
+    assert 0 < on_disk["wall_time_s"] <= elapsed
+    created = datetime.fromisoformat(on_disk["created_at"])
+    assert created.utcoffset() == timedelta(0) and before <= created <= after
     assert read_manifest(out) == m
     assert cached_manifest(out, key) == m
     assert cached_manifest(out, cache_key("data", {"n": 6}, {})) is None
@@ -87,3 +96,37 @@ def test_workers_share_one_artifact(tmp_path):
     (shared / "part-00009.parquet").write_text("not parquet")
     with pytest.raises(SchemaMismatch, match="(?s)part-00009.parquet.*not a readable Parquet file"):
         ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=False).commit()
+
+
+def test_worker_protocol_commits_once_every_worker_is_done(tmp_path):
+    """prepare_worker / finish_worker: a worker that finishes first gets an in-memory partial
+    manifest (nothing written); the last one commits the same manifest one writer would."""
+    from rlpipe.schemas import ROLLOUTS, ArtifactWriter, exists, shard_name
+
+    parts = [example_table(ROLLOUTS, 4, seed=i) for i in range(4)]
+    one = ArtifactWriter(tmp_path / "one", ROLLOUTS, stage="rollout")
+    for i, part in enumerate(parts):
+        one.write_shard(part, index=i)
+    single = one.commit()
+
+    shared, names = tmp_path / "shared", [shard_name(k) for k in range(4)]
+    shared.mkdir()
+    (shared / shard_name(7)).write_text("a shard of an older run")  # removed by prepare_worker
+    writers = [ArtifactWriter(shared, ROLLOUTS, stage="rollout", cache_key="k" * 64, clean=False)
+               for _ in range(2)]
+    mine = {0: [0, 2], 1: [1, 3]}  # worker i writes the shards k with k % 2 == i
+    results = {}
+    for i in (1, 0):  # worker 1 finishes first
+        w = writers[i]
+        w.prepare_worker(i, 2, others=[shard_name(k) for k in mine[1 - i]])
+        for k in mine[i]:
+            w.write_shard(parts[k], index=k)
+        results[i] = w.finish_worker(i, 2, expected=names, commit=w.commit, extra={"who": i})
+        assert exists(shared) == (i == 0)
+    partial = results[1]
+    assert partial.extra == {"who": 1, "partial": True, "worker_index": 1, "worker_count": 2}
+    assert partial.shard_names == [shard_name(1), shard_name(3)] and partial.rows == 8
+    final = read_manifest(shared)
+    assert final == results[0] and final.extra == {}  # commit() as the worker passed it
+    assert final.shard_names == names and final.content_hash == single.content_hash
+    assert sorted(p.name for p in shared.iterdir()) == sorted([*names, MANIFEST_NAME])  # markers gone

@@ -1,13 +1,18 @@
-"""A whole run (every iteration of one artifact kind) reads as one LazyFrame / Arrow dataset."""
+"""A whole run: its iteration directories (names, order) and every iteration of one artifact kind
+read as one LazyFrame / Arrow dataset."""
 
 import polars as pl
 import pytest
 
 from rlpipe.schemas import (
+    INITIAL_EVAL_DIR,
     ROLLOUTS,
     SCORES,
     ArtifactNotFound,
     ArtifactWriter,
+    iteration_dir_name,
+    iteration_dirs,
+    iteration_index,
     run_artifacts,
     run_dataset,
     scan_run,
@@ -23,13 +28,34 @@ def run_dir(tmp_path):
     """runs/r/ with rollouts in iter_0000..0002 and an unfinished one (no manifest) in iter_0003."""
     run = tmp_path / "r"
     for k, n in ROWS.items():
-        write_table_artifact(run / f"iter_{k:04d}" / "rollouts", ROLLOUTS,
+        write_table_artifact(run / iteration_dir_name(k) / "rollouts", ROLLOUTS,
                              example_table(ROLLOUTS, n, iteration=k, seed=k), stage="rollout",
                              rows_per_shard=4, shard_by="group_id")
     w = ArtifactWriter(run / "iter_0003" / "rollouts", ROLLOUTS, stage="rollout")
     w.write_shard(example_table(ROLLOUTS, 8, iteration=3), index=0)  # killed before commit()
     (run / "iter_0004").mkdir()  # an iteration that has not produced rollouts yet
     return run
+
+
+def test_iteration_names_round_trip_and_nothing_else_parses(tmp_path):
+    """The on-disk names are a contract (docs, resumed runs): pinned here literally."""
+    assert [iteration_dir_name(k) for k in (0, 3, 42, 9999, 12345)] == [
+        "iter_0000", "iter_0003", "iter_0042", "iter_9999", "iter_12345"]
+    assert INITIAL_EVAL_DIR == "eval_0000"
+    for k in (0, 7, 10_000):
+        assert iteration_index(iteration_dir_name(k)) == k
+    for name in ("iter_3", "iter_00003", "iter_", "iter_x", "iter_0003a", "iter_-001", "iter_٠٠٠٣",
+                 "Iter_0003", "eval_0000", "iter_0003.tmp"):
+        assert iteration_index(name) is None, name
+    with pytest.raises(ValueError, match="iteration must be >= 0"):
+        iteration_dir_name(-1)
+    # iteration order is numeric: by name, iter_10000 would sort before iter_9999
+    for name in ("iter_10000", "iter_9999", "iter_0002", "iter_3", "eval_0000"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "iter_0004").write_text("a file, not an iteration")
+    assert iteration_dirs(tmp_path) == [
+        (2, tmp_path / "iter_0002"), (9999, tmp_path / "iter_9999"), (10000, tmp_path / "iter_10000")]
+    assert iteration_dirs(tmp_path / "missing") == []
 
 
 def test_scan_run_reads_all_complete_iterations(run_dir):
@@ -57,7 +83,7 @@ def test_scan_run_with_differing_reward_components(tmp_path):
     fam = SCORES.families[0]
     for k, comps in enumerate([("format",), ("format", "correct")]):
         extra = tuple(fam.column(c) for c in comps)
-        write_table_artifact(tmp_path / f"iter_{k:04d}" / "scores", SCORES,
+        write_table_artifact(tmp_path / iteration_dir_name(k) / "scores", SCORES,
                              example_table(SCORES, 4, iteration=k, extra=extra), stage="score",
                              extra_columns=extra)
     df = scan_run(tmp_path, "scores").collect()

@@ -1,0 +1,24 @@
+"""The errors of artifact IO: one base class, a missing artifact, a shard that does not match."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class ArtifactError(Exception):
+    """Base class of artifact errors."""
+
+
+class ArtifactNotFound(ArtifactError):
+    """The directory has no manifest: the artifact is missing or was never completed."""
+
+
+class SchemaMismatch(ArtifactError):
+    """A shard does not match its expected schema; `problems` lists each difference."""
+
+    def __init__(self, path: Path | str, expected: str, problems: Sequence[str]):
+        self.path = Path(path)
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{self.path}: does not match schema {expected!r}:\n{lines}")

@@ -1,0 +1,133 @@
+"""One Parquet shard of a table artifact: its name (`part-NNNNN.parquet`), the check of its schema
+against an ArtifactSchema (a column-by-column diff, then non-null columns), and reading it back
+with the declared fields. Every read of a shard, anywhere, goes through these checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlpipe.schemas.columns import SCHEMA_NAME_KEY, ArtifactSchema
+from rlpipe.schemas.errors import ArtifactError, SchemaMismatch
+
+SHARD_PREFIX = "part-"
+SHARD_SUFFIX = ".parquet"
+SHARD_GLOB = f"{SHARD_PREFIX}*{SHARD_SUFFIX}"
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
+
+
+def _registry() -> Mapping[str, ArtifactSchema]:
+    # Imported here: rlpipe.schemas builds SCHEMAS after importing this module.
+    from rlpipe.schemas import SCHEMAS
+
+    return SCHEMAS
+
+
+def resolve_schema(schema: ArtifactSchema | str) -> ArtifactSchema:
+    """The schema itself, or the registered schema of that name; ArtifactError if unknown."""
+    if isinstance(schema, ArtifactSchema):
+        return schema
+    try:
+        return _registry()[schema]
+    except KeyError:
+        raise ArtifactError(f"unknown schema {schema!r}; known: {sorted(_registry())}") from None
+
+
+def same_type(a: pa.DataType, b: pa.DataType) -> bool:
+    """Type equality that ignores list item field names ('item' vs Parquet's 'element')."""
+    if pa.types.is_list(a) or pa.types.is_large_list(a):
+        return type(a) is type(b) and same_type(a.value_type, b.value_type)
+    if pa.types.is_struct(a):
+        if not pa.types.is_struct(b) or a.num_fields != b.num_fields:
+            return False
+        return all(
+            a.field(i).name == b.field(i).name and same_type(a.field(i).type, b.field(i).type)
+            for i in range(a.num_fields)
+        )
+    return a.equals(b)
+
+
+def same_schema(a: pa.Schema | None, b: pa.Schema | None) -> bool:
+    """Same column names in the same order with the same types (as `same_type`)."""
+    if a is None or b is None:
+        return a is b
+    return a.names == b.names and all(same_type(x.type, y.type) for x, y in zip(a, b, strict=True))
+
+
+def schema_problems(actual: pa.Schema, expected: ArtifactSchema) -> list[str]:
+    """Column-by-column differences between a file's schema and the expected artifact schema."""
+    problems: list[str] = []
+    meta = actual.metadata or {}
+    declared = meta.get(SCHEMA_NAME_KEY)
+    if declared is not None and declared.decode() != expected.name:
+        problems.append(f"file declares schema {declared.decode()!r}, expected {expected.name!r}")
+    present = {f.name: f for f in actual}
+    for col in expected.columns:
+        if col.name not in present:
+            problems.append(f"missing column {col.name!r} ({col.type})")
+        elif not same_type(present[col.name].type, col.type):
+            problems.append(
+                f"column {col.name!r}: type {present[col.name].type}, expected {col.type}"
+            )
+    declared_names = set(expected.column_names)
+    for name, fld in present.items():
+        if name in declared_names:
+            continue
+        family = next((f for f in expected.families if f.matches(name)), None)
+        if family is None:
+            problems.append(f"unexpected column {name!r} ({fld.type})")
+        elif not same_type(fld.type, family.type):
+            problems.append(f"column {name!r}: type {fld.type}, expected {family.type}")
+    return problems
+
+
+def null_problems(table: pa.Table, expected: ArtifactSchema) -> list[str]:
+    """A line per non-nullable column that holds nulls, naming the count and the first row."""
+    problems = []
+    for col in expected.columns:
+        if not col.nullable and col.name in table.column_names:
+            nulls = table.column(col.name).null_count
+            if nulls:
+                first = table.column(col.name).is_null().to_pylist().index(True)
+                problems.append(
+                    f"column {col.name!r} is not nullable but has {nulls} null(s), first at row {first}"
+                )
+    return problems
+
+
+def check_file_schema(path: Path | str, expected: ArtifactSchema) -> pa.Schema:
+    """The Arrow schema of a Parquet file, checked against `expected`; SchemaMismatch otherwise."""
+    try:
+        actual = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SchemaMismatch(path, expected.name, [f"not a readable Parquet file ({e})"]) from None
+    problems = schema_problems(actual, expected)
+    if problems:
+        raise SchemaMismatch(path, expected.name, problems)
+    return actual
+
+
+def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None) -> pa.Table:
+    """Read one shard, validating its schema; raises SchemaMismatch naming the file and columns."""
+    path = Path(path)
+    expected = resolve_schema(schema)
+    check_file_schema(path, expected)
+    table = pq.read_table(path, columns=list(columns) if columns is not None else None)
+    problems = null_problems(table, expected)
+    if problems:
+        raise SchemaMismatch(path, expected.name, problems)
+    return _as_declared(table, expected)
+
+
+def _as_declared(table: pa.Table, expected: ArtifactSchema) -> pa.Table:
+    """Relabel a read table with the declared fields (Parquet names list items 'element', the
+    schema 'item'; docs and schema metadata restored); a metadata-only cast, no data is copied."""
+    target = pa.schema([expected.column(n).field() for n in table.column_names],
+                       metadata=expected.arrow().metadata)
+    return table if table.schema.equals(target, check_metadata=True) else table.cast(target)

@@ -1,0 +1,297 @@
+"""Writing artifacts: table artifacts (ArtifactWriter, write_table_artifact), the protocol by
+which N worker processes share one artifact directory (prepare_worker / finish_worker), and the
+manifest of a checkpoint directory (commit_directory).
+
+An artifact is a directory:
+    part-00000.parquet, part-00001.parquet, ...   rows of one schema
+    _manifest.json                                written last; the artifact exists iff it exists
+
+Shards and the manifest are written atomically (rlpipe.schemas.atomic); the manifest comes last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlpipe.schemas.atomic import TMP_SUFFIX, atomic_write_bytes, sha256_file, temp_path_for
+from rlpipe.schemas.columns import ArtifactSchema, Column
+from rlpipe.schemas.errors import ArtifactError, SchemaMismatch
+from rlpipe.schemas.manifest import (
+    MANIFEST_NAME,
+    FileInfo,
+    InputRef,
+    Manifest,
+    code_version,
+    content_hash,
+    library_versions,
+)
+from rlpipe.schemas.shards import (
+    SHARD_GLOB,
+    SHARD_PREFIX,
+    check_file_schema,
+    null_problems,
+    resolve_schema,
+    shard_name,
+)
+
+
+def conform(table: pa.Table | Mapping[str, Any], schema: pa.Schema, where: str) -> pa.Table:
+    """Select and order the schema's columns and cast them; errors name the column."""
+    if not isinstance(table, pa.Table):
+        table = pa.table(dict(table))
+    missing = [n for n in schema.names if n not in table.column_names]
+    unexpected = [n for n in table.column_names if n not in schema.names]
+    if missing or unexpected:
+        raise ArtifactError(
+            f"{where}: table does not fit the schema: missing columns {missing}, "
+            f"unexpected columns {unexpected}"
+        )
+    arrays = []
+    for fld in schema:
+        col = table.column(fld.name)
+        try:
+            arrays.append(col.cast(fld.type) if not col.type.equals(fld.type) else col)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ArtifactError(f"{where}: column {fld.name!r} cannot be cast from {col.type} to {fld.type}: {e}") from None
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+class ArtifactWriter:
+    """Writes one table artifact: shards first, each atomically, then the manifest.
+
+    Usage:
+        writer = ArtifactWriter(out_dir, ROLLOUTS, stage="rollout", config=cfg_dict, inputs=...)
+        writer.write_shard(table, index=0)
+        manifest = writer.commit()
+
+    Opening a writer removes any manifest first (the artifact stops existing), then, with
+    `clean=True`, every shard and temporary file a previous, possibly killed, run left behind.
+    Workers that share one artifact directory open with `clean=False` and write disjoint shard
+    indices; `commit()` (by one process, after all workers) lists every shard present.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        schema: ArtifactSchema | str,
+        *,
+        stage: str,
+        config: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, InputRef] | None = None,
+        cache_key: str | None = None,
+        extra_columns: Sequence[Column] = (),
+        clean: bool = True,
+        compression: str = "snappy",
+    ):
+        self.path = Path(path)
+        self.schema = resolve_schema(schema)
+        self.arrow_schema = self.schema.arrow(extra_columns)
+        self.stage = stage
+        self.config = dict(config or {})
+        self.inputs = dict(inputs or {})
+        self.cache_key = cache_key
+        self.compression = compression
+        self._started = time.time()
+        self._written: dict[str, FileInfo] = {}
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MANIFEST_NAME).unlink(missing_ok=True)
+        if clean:
+            clear_directory(self.path)
+
+    def write_shard(self, table: pa.Table | Mapping[str, Any], index: int) -> FileInfo:
+        """Write `table` as shard number `index`, atomically; returns its file info."""
+        name = shard_name(index)
+        table = conform(table, self.arrow_schema, f"{self.path / name}")
+        problems = null_problems(table, self.schema)
+        if problems:
+            raise SchemaMismatch(self.path / name, self.schema.name, problems)
+        # Straight into the hidden temporary file, hashed from the page cache, then renamed:
+        # ~10% faster than encoding into a memory buffer first (benchmarks/bench_artifacts.py).
+        final = self.path / name
+        tmp = temp_path_for(final)
+        try:
+            pq.write_table(table, tmp, compression=self.compression)
+            info = FileInfo(name=name, bytes=tmp.stat().st_size, sha256=sha256_file(tmp), rows=table.num_rows)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._written[name] = info
+        return info
+
+    def commit(self, extra: Mapping[str, Any] | None = None, wall_time_s: float | None = None) -> Manifest:
+        """Write the manifest (last), listing every shard in the directory."""
+        files = []
+        for shard in sorted(self.path.glob(SHARD_GLOB)):
+            info = self._written.get(shard.name)
+            if info is None:  # written by another worker: check and hash it here
+                check_file_schema(shard, self.schema)
+                rows = pq.ParquetFile(shard).metadata.num_rows
+                info = FileInfo(name=shard.name, bytes=shard.stat().st_size, sha256=sha256_file(shard), rows=rows)
+            files.append(info)
+        manifest = self._manifest(files, extra, wall_time_s)
+        write_manifest(self.path, manifest)
+        return manifest
+
+    def _manifest(self, files: list[FileInfo], extra: Mapping[str, Any] | None,
+                  wall_time_s: float | None) -> Manifest:
+        """The table manifest of `files` (not written)."""
+        return Manifest(
+            kind="table",
+            schema_name=self.schema.name,
+            schema_version=self.schema.version,
+            rows=sum(f.rows or 0 for f in files),
+            files=files,
+            content_hash=content_hash(files),
+            stage=self.stage,
+            config=self.config,
+            inputs=self.inputs,
+            cache_key=self.cache_key,
+            extra=dict(extra or {}),
+            wall_time_s=wall_time_s if wall_time_s is not None else time.time() - self._started,
+            **_provenance(),
+        )
+
+    # -- N worker processes sharing one artifact directory ----------------------------------
+    # Worker i writes its own disjoint shards, then drops a marker; the worker that then finds
+    # every worker's marker (for this cache key) and every expected shard writes the manifest.
+    # Two workers finishing at once may both commit: the manifests are identical but for the
+    # timestamp, and each is written atomically.
+    def _marker(self, index: int, count: int) -> Path:
+        return self.path / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"
+
+    def prepare_worker(self, index: int, count: int, others: Iterable[str]) -> None:
+        """Before worker `index` of `count` writes: remove its old marker and every shard except
+        `others` (the shards the other workers write), so all that is present at commit time
+        was written for these inputs."""
+        self._marker(index, count).unlink(missing_ok=True)
+        keep = set(others)
+        for p in self.path.glob(SHARD_GLOB):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+
+    def finish_worker(self, index: int, count: int, expected: Iterable[str], commit: Callable[[], Manifest],
+                      extra: Mapping[str, Any] | None = None, wall_time_s: float | None = None) -> Manifest:
+        """Mark worker `index` done. If every worker is done and every `expected` shard exists,
+        run `commit()` (which writes the manifest) and remove the markers; otherwise return an
+        in-memory manifest of this worker's own shards (`extra.partial = True`), not written."""
+        self._marker(index, count).touch()
+        markers = [self._marker(i, count) for i in range(count)]
+        present = {p.name for p in self.path.glob(SHARD_GLOB)}
+        if all(m.exists() for m in markers) and present == set(expected):
+            manifest = commit()
+            for m in markers:
+                m.unlink(missing_ok=True)
+            return manifest
+        files = sorted(self._written.values(), key=lambda f: f.name)
+        partial = {**(extra or {}), "partial": True, "worker_index": index, "worker_count": count}
+        return self._manifest(files, partial, wall_time_s)
+
+
+def _provenance() -> dict[str, Any]:
+    return {
+        "library_versions": library_versions(),
+        "code_version": code_version(),
+        "host": socket.gethostname(),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def clear_directory(path: Path) -> None:
+    """Remove shards and temporary files (not the manifest: callers remove that first)."""
+    for p in path.iterdir():
+        if p.is_file() and (p.name.startswith(SHARD_PREFIX) or p.name.endswith(TMP_SUFFIX)):
+            p.unlink()
+
+
+def write_table_artifact(
+    path: Path | str,
+    schema: ArtifactSchema | str,
+    table: pa.Table | Mapping[str, Any],
+    *,
+    stage: str,
+    shard_by: str | None = None,
+    rows_per_shard: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    wall_time_s: float | None = None,
+    **writer_kwargs: Any,
+) -> Manifest:
+    """Write a whole table as an artifact in one call.
+
+    Args:
+        shard_by: a column whose equal values must stay in one shard (e.g. 'group_id').
+        rows_per_shard: target shard size; shards end on a `shard_by` value boundary.
+        extra: stage-specific summary recorded in the manifest.
+        wall_time_s: the stage's wall time (default: the time this call took).
+    """
+    writer = ArtifactWriter(path, schema, stage=stage, **writer_kwargs)
+    if not isinstance(table, pa.Table):
+        table = conform(table, writer.arrow_schema, str(path))
+    for i, part in enumerate(split_rows(table, shard_by, rows_per_shard)):
+        writer.write_shard(part, index=i)
+    return writer.commit(extra=extra, wall_time_s=wall_time_s)
+
+
+def split_rows(table: pa.Table, shard_by: str | None, rows_per_shard: int | None) -> Iterator[pa.Table]:
+    """Cut a table into consecutive slices of about `rows_per_shard` rows, never splitting a run
+    of equal `shard_by` values (the rows of one group must be contiguous)."""
+    n = table.num_rows
+    if not rows_per_shard or n <= rows_per_shard:
+        yield table
+        return
+    keys = table.column(shard_by).to_pylist() if shard_by else None
+    start = 0
+    while start < n:
+        end = min(start + rows_per_shard, n)
+        if keys is not None:
+            while end < n and keys[end] == keys[end - 1]:
+                end += 1
+        yield table.slice(start, end - start)
+        start = end
+
+
+def write_manifest(path: Path | str, manifest: Manifest) -> None:
+    data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
+    atomic_write_bytes(Path(path) / MANIFEST_NAME, data.encode(), fsync=True)
+
+
+def commit_directory(
+    path: Path | str,
+    *,
+    stage: str,
+    config: Mapping[str, Any] | None = None,
+    inputs: Mapping[str, InputRef] | None = None,
+    cache_key: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+    wall_time_s: float = 0.0,
+) -> Manifest:
+    """Write the manifest of a checkpoint directory (every file hashed); call after saving it."""
+    path = Path(path)
+    files = [
+        FileInfo(name=str(p.relative_to(path)), bytes=p.stat().st_size, sha256=sha256_file(p))
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(TMP_SUFFIX)
+    ]
+    manifest = Manifest(
+        kind="checkpoint",
+        files=files,
+        content_hash=content_hash(files),
+        stage=stage,
+        config=dict(config or {}),
+        inputs=dict(inputs or {}),
+        cache_key=cache_key,
+        extra=dict(extra or {}),
+        wall_time_s=wall_time_s,
+        **_provenance(),
+    )
+    write_manifest(path, manifest)
+    return manifest
