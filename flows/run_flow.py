@@ -26,11 +26,24 @@ from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.config import StageConfig  # noqa: E402
+from rlpipe.schemas.errors import UserError  # noqa: E402
 from rlpipe.schemas.runs import iteration_dir_name  # noqa: E402
 from rlpipe.stages import get_stage  # noqa: E402
 
 
-@task(cache_policy=NONE, persist_result=False)
+def _transient(task, task_run, state) -> bool:
+    """Retry only what can be transient: a user error (bad config, data, reward function) fails
+    the same way every time, so it ends the task at once."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except BaseException:
+        return True
+    return True
+
+
+@task(cache_policy=NONE, persist_result=False, retry_condition_fn=_transient)
 def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
     """Run one stage in this process; skipped by the stage itself when its cache key matches."""
     return run_stage(name, config, force=force)

@@ -151,6 +151,7 @@ def run(
     preset: Annotated[str, typer.Argument(help="Built-in preset name (demo, grpo, ppo, grpo_rm) or a YAML file.")] = "demo",
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<preset name>).")] = None,
     local: Annotated[bool, typer.Option("--local", help="Run the plain-Python pipeline, without Prefect.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a user error.")] = False,
 ) -> None:
     """Run a pipeline preset: data, optional SFT and reward model, then RL iterations.
 
@@ -158,21 +159,23 @@ def run(
     Rerunning the same command resumes: finished stages are skipped by their cache keys.
     """
     from rlpipe.pipelines.preset import load_preset
-    from rlpipe.schemas.config import ConfigError
+    from rlpipe.schemas.errors import UserError
 
     try:
         spec = load_preset(preset, list(ctx.args))
-    except ConfigError as e:
+        _quiet_libraries()
+        if local:
+            from rlpipe.pipelines.runner import Pipeline
+
+            Pipeline(spec, run_dir).run()
+        else:
+            from rlpipe.flows.run_flow import run_flow
+
+            run_flow(spec, str(run_dir) if run_dir else None)
+    except UserError as e:
+        if debug:
+            raise
         raise _fail(str(e), 2) from None
-    _quiet_libraries()
-    if local:
-        from rlpipe.pipelines.runner import Pipeline
-
-        Pipeline(spec, run_dir).run()
-    else:
-        from rlpipe.flows.run_flow import run_flow
-
-        run_flow(spec, str(run_dir) if run_dir else None)
 
 
 def _quiet_libraries() -> None:

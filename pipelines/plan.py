@@ -169,6 +169,23 @@ class Plan:
         self.setup()
         self.iteration(0)
 
+    def check_inputs(self) -> None:
+        """Every input the run reads but no stage of it writes (the user's model, prompts,
+        preferences) exists and is of the right kind: checked before any stage runs, so a wrong
+        path fails in a second, not after SFT."""
+        from rlpipe.schemas.errors import UserError
+        from rlpipe.schemas.inputs import input_problem
+
+        written: set[Path] = set()
+        for call in [*self.setup(), *self.iteration(0)]:
+            for name, path in call.config.inputs().items():
+                if Path(path) in written:
+                    continue
+                problem = input_problem(path, call.config.input_fields()[name].kind)
+                if problem:
+                    raise UserError(f"{self.source}: {call.name}.{name}: {problem}")
+            written.update(Path(p) for p in call.config.outputs().values())
+
     def _score_components(self) -> dict[str, Any]:
         """The score fragment's components, a `checkpoint: reward_model` made the run's reward model."""
         comps = []

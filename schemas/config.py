@@ -7,6 +7,7 @@ Field docs are attribute docstrings (shown by `--help` and recorded in the schem
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from rlpipe.schemas.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,13 @@ class StageConfig(BaseModel):
     def resolved(self) -> dict[str, Any]:
         """JSON-able dict of every field, defaults included: what manifests record."""
         return self.model_dump(mode="json")
+
+    def cache_dict(self) -> dict[str, Any]:
+        """What decides the work, for the cache key: the resolved config without its input and
+        output paths (inputs enter the key by content hash; where the output goes changes
+        nothing), so a copied or moved run directory reruns as cache hits."""
+        io = {*self.input_fields(), *self.output_fields()}
+        return {k: v for k, v in self.resolved().items() if k not in io}
 
     @classmethod
     def input_fields(cls) -> dict[str, Input]:
@@ -101,7 +111,7 @@ class StageConfig(BaseModel):
 C = TypeVar("C", bound=BaseModel)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config could not be loaded; the message names each bad key and what it allows."""
 
 
@@ -185,13 +195,68 @@ def load_config(
     cls: type[C], path: Path | str | None = None, overrides: Sequence[str] = (),
     base: Mapping[str, Any] | None = None,
 ) -> C:
-    """Build a config from `base`, then a YAML file, then `key=value` overrides (later wins)."""
+    """Build a config from `base`, then a YAML file, then `key=value` overrides (later wins).
+
+    A relative path written in the YAML file is relative to the file's folder (so a run's saved
+    `configs/<stage>.yaml` works from any directory and after the run folder is moved); a relative
+    path given as an override is relative to the current directory.
+    """
     data: dict[str, Any] = _deepcopy(base or {})
+    from_file: dict[str, Any] = {}
     if path is not None:
-        data = _merge(data, load_yaml(path))
+        from_file = load_yaml(path)
+        data = _merge(data, from_file)
     data = apply_overrides(data, overrides)
     source = str(path) if path is not None else "overrides"
-    return parse_config(cls, data, source)
+    config = parse_config(cls, data, source)
+    if path is None:
+        return config
+    folder = Path(path).parent
+
+    def rebase(loc: tuple[str | int, ...], value: Path) -> Path:
+        written = _at(from_file, loc)
+        came_from_file = written is not None and str(written) == str(value) and _at(data, loc) == written
+        if not came_from_file or value.is_absolute():
+            return value
+        return Path(os.path.normpath(folder / value))
+
+    # Validate again: checks that compare paths (an output apart from the inputs) see the real ones.
+    return parse_config(cls, map_paths(config, rebase).model_dump(), source)
+
+
+def map_paths(model: C, fn: Any, loc: tuple[str | int, ...] = ()) -> C:
+    """A copy of `model` with every Path field value v (nested models and lists included)
+    replaced by fn(location, v)."""
+    update: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        new = _map_value(value, fn, (*loc, name))
+        if new is not value:
+            update[name] = new
+    return model.model_copy(update=update) if update else model
+
+
+def _map_value(value: Any, fn: Any, loc: tuple[str | int, ...]) -> Any:
+    if isinstance(value, Path):
+        return fn(loc, value)
+    if isinstance(value, BaseModel):
+        return map_paths(value, fn, loc)
+    if isinstance(value, (list, tuple)):
+        new = [_map_value(v, fn, (*loc, i)) for i, v in enumerate(value)]
+        return value if all(a is b for a, b in zip(new, value, strict=True)) else type(value)(new)
+    return value
+
+
+def _at(data: Any, loc: Sequence[str | int]) -> Any:
+    """data[loc[0]][loc[1]]...; None where the location does not exist."""
+    for part in loc:
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
 
 
 def _merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:

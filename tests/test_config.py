@@ -47,10 +47,13 @@ def _yaml(tmp_path, text):
 def test_yaml_then_overrides(tmp_path):
     path = _yaml(tmp_path, "output: runs/x\ngroup_size: 4\nsampling:\n  temperature: 0.7\n")
     cfg = load_config(DemoConfig, path, ["sampling.max_new_tokens=32", "engine=vllm", "seed=3"])
-    assert cfg.output == Path("runs/x") and cfg.group_size == 4 and cfg.engine == "vllm" and cfg.seed == 3
+    # A relative path in the file is relative to the file's folder.
+    assert cfg.output == tmp_path / "runs/x" and cfg.group_size == 4 and cfg.engine == "vllm" and cfg.seed == 3
     assert cfg.sampling == Sampling(temperature=0.7, max_new_tokens=32)  # nested merge keeps temperature
-    assert cfg.resolved() == {"output": "runs/x", "engine": "vllm", "group_size": 4, "seed": 3,
+    assert cfg.resolved() == {"output": str(tmp_path / "runs/x"), "engine": "vllm", "group_size": 4, "seed": 3,
                               "sampling": {"temperature": 0.7, "max_new_tokens": 32}}
+    # ... and one given as an override is relative to the current directory.
+    assert load_config(DemoConfig, path, ["output=runs/y"]).output == Path("runs/y")
     with pytest.raises(ValidationError, match="frozen"):
         cfg.seed = 4  # type: ignore[misc]
     # later wins: an override beats the file, the file beats `base`

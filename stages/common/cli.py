@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlpipe.schemas.config import ConfigError, describe_fields, load_config
+from rlpipe.schemas.errors import UserError
 
 
 def import_ref(ref: str) -> Any:
@@ -65,6 +66,7 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)")
     parser.add_argument("--force", action="store_true", help="recompute even if a cached artifact matches")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
     try:
         config = load_config(config_cls, args.config, args.overrides)
@@ -77,7 +79,13 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
         return 0
     started = time.perf_counter()
-    manifest = stage.run(config, force=args.force)
+    try:
+        manifest = stage.run(config, force=args.force)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {name}: {e}", file=sys.stderr)
+        return 2
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"
