@@ -14,21 +14,8 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
-
-
-class StageConfig(BaseModel):
-    """Base of every config: immutable, unknown keys rejected, field docs from docstrings."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    def resolved(self) -> dict[str, Any]:
-        """JSON-able dict of every field, defaults included: what manifests record."""
-        return self.model_dump(mode="json")
-
-
-C = TypeVar("C", bound=BaseModel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +42,29 @@ def name_shorthand(value: Any) -> Any:
 
 ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 """A user function's import path, 'package.module:function' (imported when it is first needed)."""
+
+
+class StageConfig(BaseModel):
+    """Base of every config: immutable, unknown keys rejected, field docs from docstrings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def resolved(self) -> dict[str, Any]:
+        """JSON-able dict of every field, defaults included: what manifests record."""
+        return self.model_dump(mode="json")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _default_variant_name(cls, value: Any, info: ValidationInfo) -> Any:
+        """A mapping without `name` for a field whose default is a named variant keeps the default's
+        name: `loss.eps_high=0.28` alone tunes the default loss."""
+        default = cls.model_fields[info.field_name].default if info.field_name else None
+        if isinstance(default, Variant) and isinstance(value, Mapping) and "name" not in value:
+            return {"name": default.name, **value}
+        return value
+
+
+C = TypeVar("C", bound=BaseModel)
 
 
 def union_tags(union: Any, discriminator: str = "name") -> dict[str, type[BaseModel]]:
