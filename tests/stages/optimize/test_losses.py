@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from rlpipe.schemas.config import ConfigError, load_config, union_tags
-from rlpipe.stages.optimize.config import CustomLoss, GSPOLoss, LossConfig, OptimizeConfig, PPOClipLoss
+from rlpipe.stages.optimize.config import (
+    CustomLoss,
+    GSPOLoss,
+    LossConfig,
+    OptimizeConfig,
+    PPOClipLoss,
+)
 from rlpipe.stages.optimize.core import PolicyObjective, policy_micro_loss, step_slices
 from rlpipe.stages.optimize.losses import (
     POLICY_LOSSES,
