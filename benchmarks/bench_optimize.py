@@ -78,7 +78,8 @@ def plain_loop(cfg, batch) -> tuple[float, float]:
                 packed = pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad)
                 T = packed.mask.shape[1]
                 logp = response_logprobs(model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits, packed)
-                out = ppo_clip(logp, pad_rows(old, rows, T), pad_rows(batch.advantages, rows, T), packed.mask)
+                out = ppo_clip(logp, pad_rows(old, rows, T), pad_rows(batch.advantages, rows, T), packed.mask,
+                               **cfg.loss.knobs())
                 agg_loss(out.loss_mat, packed.mask, "token-mean", global_token_count=n_tok).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()

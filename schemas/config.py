@@ -8,13 +8,24 @@ Field docs are attribute docstrings (shown by `--help` and recorded in the schem
 from __future__ import annotations
 
 import os
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from rlpipe.schemas.errors import UserError
 
@@ -45,6 +56,34 @@ class Assigned:
 
 def _marked(cls: type[BaseModel], marker: type) -> dict[str, Any]:
     return {name: m for name, info in cls.model_fields.items() for m in info.metadata if isinstance(m, marker)}
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Named variants: a config knob that picks one of several algorithms, each with its own knobs
+# ---------------------------------------------------------------------------------------------
+class Variant(BaseModel):
+    """One variant of a union tagged by `name` (`{name: gae, lam: 0.9}`); its fields are its knobs.
+
+    A union of variants is written `Annotated[A | B, Field(discriminator="name"),
+    BeforeValidator(name_shorthand)]`, so a bare string is accepted for `{name: <string>}`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def knobs(self) -> dict[str, Any]:
+        """The variant's knobs (every field but `name`), as keyword arguments of its function."""
+        return {k: getattr(self, k) for k in type(self).model_fields if k != "name"}
+
+
+def name_shorthand(value: Any) -> Any:
+    """Before-validator of a union tagged by `name`: the string `rloo` stands for `{name: rloo}`."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+"""A user function's import path, 'package.module:function' (imported when it is first needed)."""
 
 
 class StageConfig(BaseModel):
@@ -106,9 +145,63 @@ class StageConfig(BaseModel):
                 if other_name < o_name and Path(other).absolute() == o:
                     raise ValueError(f"outputs {other_name!r} and {o_name!r} are the same path ({out})")
         return self
+    @field_validator("*", mode="before")
+    @classmethod
+    def _default_variant_name(cls, value: Any, info: ValidationInfo) -> Any:
+        """A mapping without `name` for a field whose default is a named variant keeps the default's
+        name: `loss.eps_high=0.28` alone tunes the default loss."""
+        default = cls.model_fields[info.field_name].default if info.field_name else None
+        if isinstance(default, Variant) and isinstance(value, Mapping) and "name" not in value:
+            return {"name": default.name, **value}
+        return value
 
 
 C = TypeVar("C", bound=BaseModel)
+
+
+def union_tags(union: Any, discriminator: str = "name") -> dict[str, type[BaseModel]]:
+    """tag -> variant class of a union tagged by `discriminator` (an `Annotated` union or a bare one)."""
+    if typing.get_origin(union) is Annotated:
+        union = typing.get_args(union)[0]
+    out = {}
+    for variant in typing.get_args(union):
+        for tag in typing.get_args(variant.model_fields[discriminator].annotation):
+            out[tag] = variant
+    return out
+
+
+def _discriminator(field: Any) -> tuple[Any, str | None]:
+    """(type, discriminator) of a field annotation or an `Annotated[...]` list item."""
+    if isinstance(field, FieldInfo):
+        return field.annotation, field.discriminator if isinstance(field.discriminator, str) else None
+    if typing.get_origin(field) is Annotated:
+        inner, *meta = typing.get_args(field)
+        disc = next((m.discriminator for m in meta if isinstance(m, FieldInfo) and isinstance(m.discriminator, str)), None)
+        return inner, disc
+    return field, None
+
+
+def _walk(cls: type[BaseModel], loc: Sequence[str | int]) -> tuple[list[str | int], Any]:
+    """An error location with the variant tags pydantic inserts left out, and the type at its end.
+
+    pydantic locates an error in a tagged union as ('estimator', 'gae', 'lam'); users wrote
+    `estimator.lam`, so the tag 'gae' is dropped from the key the message names.
+    """
+    node: Any = cls
+    disc: str | None = None
+    out: list[str | int] = []
+    for part in loc:
+        if disc is not None and isinstance(part, str) and part in (tags := union_tags(node, disc)):
+            node, disc = tags[part], None  # the tag pydantic inserted: not a key the user wrote
+            continue
+        out.append(part)
+        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node, disc = _discriminator(node.model_fields[part])
+        elif isinstance(part, int) and typing.get_origin(node) in (list, tuple) and typing.get_args(node):
+            node, disc = _discriminator(typing.get_args(node)[0])
+        else:
+            node, disc = None, None
+    return out, node
 
 
 class ConfigError(UserError, ValueError):
@@ -117,19 +210,15 @@ class ConfigError(UserError, ValueError):
 
 def _fields_at(cls: type[BaseModel], loc: Sequence[str | int]) -> list[str] | None:
     """The field names of the (nested) model at `loc` (the error's location minus its last part)."""
-    model: Any = cls
-    for part in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return None
-        model = model.model_fields[part].annotation
+    model = _walk(cls, loc)[1]
     if isinstance(model, type) and issubclass(model, BaseModel):
         return sorted(model.model_fields)
     return None
 
 
 def _describe(cls: type[BaseModel], err: Mapping[str, Any]) -> str:
-    loc = [p for p in err["loc"]]
-    key = ".".join(str(p) for p in loc) or "<root>"
+    loc = list(err["loc"])
+    key = ".".join(str(p) for p in _walk(cls, loc)[0]) or "<root>"
     if err["type"] == "extra_forbidden":
         allowed = _fields_at(cls, loc[:-1])
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
@@ -179,6 +268,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         parts = key.split(".")
         for part in parts[:-1]:
             child = node.get(part)
+            if isinstance(child, str):  # `estimator: gae` then `estimator.lam=0.9`: {name: gae, lam: 0.9}
+                child = name_shorthand(child)
+                node[part] = child
             if not isinstance(child, dict):
                 child = {}
                 node[part] = child
@@ -273,6 +365,17 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(describe_fields(ann, f"{prefix}{name}."))
+            continue
+        union, disc = _discriminator(info)
+        if disc is not None and typing.get_origin(union) in (typing.Union, types.UnionType):
+            # A tagged union: the key names the variant; each variant's knobs follow, marked by tag.
+            tags = union_tags(union, disc)
+            default = info.get_default(call_default_factory=True)
+            shown = "required" if info.is_required() else repr(getattr(default, disc, default))
+            rows.append((f"{prefix}{name}", " | ".join(tags), shown, info.description or ""))
+            for tag, variant in tags.items():
+                rows.extend((k, t, d, f"[{disc}={tag}] {doc}")
+                            for k, t, d, doc in describe_fields(variant, f"{prefix}{name}.") if k != f"{prefix}{name}.{disc}")
             continue
         default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
         type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")

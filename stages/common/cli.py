@@ -25,6 +25,23 @@ def import_ref(ref: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def import_function(ref: str, what: str = "") -> Any:
+    """A user's function by import path; a ValueError naming `what` and `ref` if it is not one.
+
+    Args:
+        ref: 'package.module:function'.
+        what: the config key that named it, for the message (e.g. 'estimator.function').
+    """
+    at = f"{what}: " if what else ""
+    try:
+        fn = import_ref(ref)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{at}cannot import {ref!r}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"{at}{ref!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
 def _strip_local_rank(argv: Sequence[str]) -> list[str]:
     """The deepspeed launcher appends `--local_rank=N` to every rank's argv; it becomes LOCAL_RANK."""
     out: list[str] = []

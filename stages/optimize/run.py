@@ -89,8 +89,7 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     rows = _batch_metrics(batch, old_logp, config.recompute_old_logprobs)
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
-    obj = PolicyObjective(loss=config.loss, eps_low=config.eps_low, eps_high=config.eps_high,
-                          dual_clip=config.dual_clip, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
+    obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
                           kl_beta=config.kl_beta, entropy_coef=config.entropy_coef)
     step, stopped = 0, False
     total_steps = sum(len(s) for s in schedules)

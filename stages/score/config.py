@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import Assigned, ImportRef, Input, Output, StageConfig
 
 
 class _Component(BaseModel):
@@ -105,10 +105,14 @@ class OverlongComponent(_Component):
 
 
 class PythonComponent(_Component):
-    """A user function `fn(prompts, responses, answers, **kwargs) -> list[float]` called on batches."""
+    """A user reward or verifier `fn(prompts, responses, answers, **kwargs) -> list[float]`.
+
+    Called on batches of `batch_size` rows: three lists of equal length (prompt texts, response
+    texts, reference answers or None); returns one finite float per row (a verifier: 1.0 / 0.0).
+    """
 
     type: Literal["python"] = "python"
-    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    function: ImportRef
     """Import path 'package.module:function'."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed on every call (JSON-able)."""

@@ -10,7 +10,6 @@ Adding a component type: write a config class in config.py (with a new `type` li
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from rlpipe.stages.common.cli import import_function
 from rlpipe.stages.score import verifiers as V
 
 
@@ -153,13 +153,10 @@ def reward_model_scorer(c: Any) -> Scorer:
 
 @register("python")
 def python_scorer(c: Any) -> Scorer:
-    module_name, _, attr = c.function.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ScoreError(c, None, "", f"cannot import {c.function!r}: {e}") from None
-    if not callable(fn):
-        raise ScoreError(c, None, "", f"{c.function!r} is not callable")
+        fn = import_function(c.function)
+    except ValueError as e:
+        raise ScoreError(c, None, "", str(e)) from None
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []

@@ -115,6 +115,6 @@ def test_ppo_preset_runs_end_to_end(tmp_path):
     for name in ("rollouts", "scores", "reference", "advantages", "policy", "critic", "metrics", "eval"):
         assert validate_artifact(it / name) == [], name
     adv = read_manifest(it / "advantages")
-    assert adv.config["estimator"] == "gae" and adv.config["kl"]["in_reward"] is True
+    assert adv.config["estimator"]["name"] == "gae" and adv.config["kl"]["in_reward"] is True
     assert read_manifest(it / "critic").inputs["critic"].path == str(run_dir / "models/critic")
     assert read_manifest(run_dir / "models/reward").kind == "checkpoint"

@@ -19,7 +19,7 @@ def test_builtin_preset_loads_and_every_stage_config_validates(name):
 
 def test_ppo_preset_uses_gae_critic_and_kl_in_reward():
     p = load_preset("ppo")
-    assert p.advantage["estimator"] == "gae" and p.advantage["kl"]["in_reward"] is True
+    assert p.advantage["estimator"]["name"] == "gae" and p.advantage["kl"]["in_reward"] is True
     assert p.model.critic and p.model.reference and p.rollout["group_size"] == 1
 
 
@@ -34,6 +34,15 @@ def test_bad_literal_lists_allowed_values():
     with pytest.raises(ConfigError) as e:
         load_preset("grpo", ["advantage.estimator=grpoo"])
     assert "grpoo" in str(e.value) and "rloo" in str(e.value)
+
+
+def test_algorithm_overrides_replace_or_tune_the_presets_variant():
+    assert load_preset("grpo", ["advantage.estimator=rloo"]).advantage["estimator"] == "rloo"
+    p = load_preset("ppo", ["advantage.estimator.lam=0.9", "optimize.loss=gspo"])
+    assert p.advantage["estimator"] == {"name": "gae", "gamma": 1.0, "lam": 0.9}
+    assert p.optimize["loss"] == "gspo"
+    with pytest.raises(ConfigError, match="unknown key 'estimator.lam'; allowed keys: eps, name, scale, std"):
+        load_preset("grpo", ["advantage.estimator.lam=0.9"])  # grpo has no lambda
 
 
 def test_pipeline_owned_field_is_rejected():

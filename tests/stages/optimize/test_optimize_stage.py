@@ -11,6 +11,7 @@ from rlpipe.stages.advantage.kl import kl
 from rlpipe.stages.common.forward import teacher_forced_logprobs
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.common.tiny import load_checkpoint
+from rlpipe.stages.optimize.config import GSPOLoss
 from rlpipe.stages.optimize.core import epoch_order
 from rlpipe.stages.optimize.run import run
 
@@ -88,9 +89,10 @@ def test_rerun_is_a_cache_hit_and_the_result_is_deterministic(tmp_path, artifact
 
 def test_gspo_with_kl_in_loss_and_entropy_bonus(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):
     arts = build(tmp_path, tiny_tokenizer, with_ref=True)
-    cfg = make_config(tmp_path, arts, tiny_policy_dir, loss="gspo", eps_low=3e-4, eps_high=4e-4,
+    cfg = make_config(tmp_path, arts, tiny_policy_dir, loss="gspo",
                           kl_beta=0.1, kl_estimator="k3", entropy_coef=0.01, minibatch_size=8, micro_batch_size=2,
                           agg_mode="seq-mean-token-mean")
+    assert cfg.loss == GSPOLoss(eps_low=3e-4, eps_high=4e-4)  # GSPO's own clip range, not PPO's 0.2
     run(cfg)
     m = read_metrics(cfg.metrics_output)
     assert m[1]["ratio_min"] == 1.0 and m[1]["clip_fraction"] == 0.0

@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from rlpipe.schemas import exists, read_manifest, read_table_artifact, validate_artifact
-from rlpipe.schemas.config import ConfigError, parse_config
+from rlpipe.schemas.config import ConfigError, parse_config, union_tags
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.reward_model.modeling import score_texts
 from rlpipe.stages.score import run as score_run
 from rlpipe.stages.score import scorers
-from rlpipe.stages.score.config import ScoreConfig
+from rlpipe.stages.score.config import Component, ScoreConfig
 from rlpipe.stages.score.run import run
 from rlpipe.stages.score.scorers import ScoreError, register
 from rlpipe.stages.score.verifiers import overlong_penalty
@@ -179,8 +179,8 @@ def test_config_errors():
         ([{"name": "a", "type": "regex_format", "pattern": "("}], "not a valid regex"),
         ([{"name": "a", "type": "answer_match", "pattern": r"\d+"}], "exactly one capture group"),
         ([{"name": "a", "type": "overlong", "max_length": 4, "buffer": 8}], "must not exceed max_length"),
-        ([{"name": "a b", "type": "overlong", "max_length": 4, "buffer": 2}], "components.0.overlong.name"),
-        ([{"name": "a", "type": "python", "function": "no_colon"}], "components.0.python.function"),
+        ([{"name": "a b", "type": "overlong", "max_length": 4, "buffer": 2}], "key 'components.0.name'"),
+        ([{"name": "a", "type": "python", "function": "no_colon"}], "key 'components.0.function'"),
         ([{"name": "a", "type": "nope"}], "does not match any of the expected tags"),
     ]
     for comps, msg in bad:
@@ -195,3 +195,8 @@ def test_registry_rejects_a_second_registration():
     with pytest.raises(ValueError, match="'overlong' is already registered"):
         register("overlong")(lambda c: None)
     assert set(scorers.SCORERS) == {"reward_model", "answer_match", "regex_format", "overlong", "python"}
+
+
+def test_config_union_and_registry_name_the_same_components():
+    # One list of names: every `type` tag of the component union has a scorer, and no scorer lacks a config.
+    assert set(union_tags(Component, "type")) == set(scorers.SCORERS)
