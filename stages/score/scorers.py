@@ -10,7 +10,6 @@ Adding a component type: write a config class in config.py (with a new `type` li
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from rlpipe.stages.common.cli import import_ref
 from rlpipe.stages.score import verifiers as V
 
 
@@ -153,9 +153,8 @@ def reward_model_scorer(c: Any) -> Scorer:
 
 @register("python")
 def python_scorer(c: Any) -> Scorer:
-    module_name, _, attr = c.function.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn = import_ref(c.function)
     except (ImportError, AttributeError) as e:
         raise ScoreError(c, None, "", f"cannot import {c.function!r}: {e}") from None
     if not callable(fn):
