@@ -25,9 +25,9 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.stages.common.checkpoints import checkpoint_input
 from rlpipe.stages.evaluate.config import EvaluateConfig
 from rlpipe.stages.rollout.config import RolloutConfig
-from rlpipe.stages.rollout.run import _checkpoint_input
 from rlpipe.stages.score.config import AnswerMatchComponent, ScoreConfig
 
 STAGE = "evaluate"
@@ -39,7 +39,7 @@ def run(config: EvaluateConfig, *, force: bool = False) -> Manifest:
 
     started = time.time()
     inputs = {"prompts": read_manifest(config.prompts).as_input(config.prompts),
-              "policy": _checkpoint_input(config.checkpoint)}
+              "policy": checkpoint_input(config.checkpoint, "policy")}
     key = cache_key(STAGE, config.resolved(), {k: v.content_hash for k, v in inputs.items()})
     cached = cached_manifest(config.output, key)
     if cached is not None and not force:

@@ -30,8 +30,10 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.writer import commit_directory
+from rlpipe.stages.common.checkpoints import checkpoint_input
 from rlpipe.stages.common.forward import pack
-from rlpipe.stages.common.models import checkpoint_key, load_model, remember
+from rlpipe.stages.common.models import load_model, remember
+from rlpipe.stages.common.progress import progress
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, policy_micro_loss, step_slices
 from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
@@ -53,9 +55,11 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     if not force and _cached(config, key):
         return read_manifest(config.output)
 
+    from rlpipe.stages.common import deepspeed as ds
+    from rlpipe.stages.common.distributed import init_distributed
     from rlpipe.stages.optimize import engine as E
 
-    d = E.ensure_process_group()
+    d = init_distributed()
     batch = load_batch(config.rollouts, config.advantages, config.reference,
                        need_ref=config.kl_beta > 0, need_values=config.critic is not None)
     n = len(batch)
@@ -64,8 +68,8 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
                              config.micro_batch_size) for e in range(config.epochs)]
     grad_accum = minibatch // (d.world_size * config.micro_batch_size)
     max_len = config.max_len or int(batch.lengths().max())
-    dscfg = E.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
-                        world_size=d.world_size, grad_clip=config.grad_clip, bf16=E.use_bf16(config.dtype))
+    dscfg = ds.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
+                         world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
 
     # Trainable copies: never train a model from the shared in-process cache.
     policy, tokenizer = load_model(config.policy, cache=False)
@@ -94,7 +98,7 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     step, stopped = 0, False
     total_steps = sum(len(s) for s in schedules)
     mark, trained_tokens = time.perf_counter(), 0.0
-    with _progress(d.rank == 0, total_steps) as advance:
+    with progress("optimize", total_steps, enabled=d.rank == 0) as advance:
         for epoch, steps in enumerate(schedules):
             for micro_batches in steps:
                 step += 1
@@ -102,7 +106,7 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
                 stats["epoch"] = float(epoch)
                 rows += [(step, name, value) for name, value in sorted(stats.items())]
                 trained_tokens += stats["tokens"]
-                advance()
+                advance(loss=stats["loss"], approx_kl=stats["approx_kl"])
                 if config.kl_target is not None and stats["approx_kl"] > config.kl_target:
                     stopped = True
                     break
@@ -114,7 +118,7 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     rows.append((0, "steps", float(step)))
     rows.append((0, "early_stopped", float(stopped)))
 
-    manifest = _save(E, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing)
+    manifest = _save(ds, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing)
     pol.destroy()
     if crit is not None:
         crit.destroy()
@@ -122,16 +126,13 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
 
 
 def _inputs(config: OptimizeConfig) -> dict[str, InputRef]:
-    def checkpoint(path: Path) -> InputRef:
-        return InputRef(path=str(path), content_hash=checkpoint_key(path))
-
-    refs = {"policy": checkpoint(config.policy),
+    refs = {"policy": checkpoint_input(config.policy, "policy"),
             "rollouts": read_manifest(config.rollouts).as_input(config.rollouts),
             "advantages": read_manifest(config.advantages).as_input(config.advantages)}
     if config.reference is not None:
         refs["reference"] = read_manifest(config.reference).as_input(config.reference)
     if config.critic is not None:
-        refs["critic"] = checkpoint(config.critic)
+        refs["critic"] = checkpoint_input(config.critic, "critic")
     return refs
 
 
@@ -253,7 +254,7 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
     return rows
 
 
-def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
+def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
           rows: list[tuple[int, str, float]], pol: Any, crit: Any, tokenizer: Any, rank: int,
           started: float, timing: dict[str, float]) -> Manifest:
     """Rank 0 writes metrics, then the critic, then the policy (its manifest last)."""
@@ -272,7 +273,7 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "_manifest.json").unlink(missing_ok=True)
-        copy = E.save_module(engine, tokenizer, out, rank)
+        copy = ds.save_pretrained(engine, tokenizer, out, rank)
         if rank == 0:
             commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                              extra={"metrics": summary, "kind": kind, "timing": timing}, wall_time_s=time.time() - started)
@@ -280,25 +281,3 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
     torch.distributed.barrier()
     return read_manifest(config.output)
 
-
-class _progress:
-    """A rich progress bar over optimizer steps on rank 0 (stderr); silent elsewhere."""
-
-    def __init__(self, show: bool, total: int):
-        self.show, self.total, self.bar = show, total, None
-
-    def __enter__(self):
-        if not self.show:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self.bar = Progress(console=Console(stderr=True), transient=True)
-        self.bar.start()
-        task = self.bar.add_task("optimize", total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-        return False

@@ -30,6 +30,8 @@ from rlpipe.schemas import (
     read_table_artifact,
     shard_name,
 )
+from rlpipe.stages.common.checkpoints import checkpoint_input
+from rlpipe.stages.common.progress import progress
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.rollout.core import group_seed, select_prompts, shard_ranges, worker_shards
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec, get_engine
@@ -42,7 +44,7 @@ _PLACEMENT = ("worker_index", "worker_count")
 def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
     started = time.time()
     inputs = {"prompts": read_manifest(config.prompts).as_input(config.prompts),
-              "policy": _checkpoint_input(config.checkpoint)}
+              "policy": checkpoint_input(config.checkpoint, "policy")}
     content = {k: v for k, v in config.resolved().items() if k not in _PLACEMENT}
     key = cache_key(STAGE, content, {role: ref.content_hash for role, ref in inputs.items()})
     cached = cached_manifest(config.output, key)
@@ -70,7 +72,8 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
         stop_token_ids=tuple(config.stop_token_ids),
     )
     files, gen_s, n_tokens = [], 0.0, 0
-    with _progress(sum(len(shards[k]) for k in mine), config) as advance:
+    who = "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
+    with progress(f"rollout ({config.engine}){who}: groups", sum(len(shards[k]) for k in mine)) as advance:
         for k in mine:
             rows: dict[str, list[Any]] = {c: [] for c in ROLLOUTS.column_names}
             for start in range(shards[k].start, shards[k].stop, config.batch_size):
@@ -97,18 +100,6 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
         commit=lambda: writer.commit(extra=_summary(config.output, writer) | extra,
                                      wall_time_s=time.time() - started),
         extra=extra)
-
-
-def _checkpoint_input(path: Path):
-    """The policy as an input: its manifest, or (a plain Hugging Face directory) its file identity."""
-    from rlpipe.schemas import InputRef, exists
-    from rlpipe.stages.common.models import checkpoint_key
-
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"policy checkpoint {path} does not exist (no config.json there)")
-    if exists(path):
-        return read_manifest(path).as_input(path)
-    return InputRef(path=str(path), content_hash=checkpoint_key(path))
 
 
 def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> list[list[int]]:
@@ -169,21 +160,3 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
         "length_fraction": round(float(pc.sum(pc.equal(t["finish_reason"], "length")).as_py()) / n, 4),
     }
 
-
-def _progress(total: int, config: RolloutConfig):
-    """A rich progress bar over groups on stderr; yields advance(n)."""
-    from contextlib import contextmanager
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    @contextmanager
-    def bar():
-        who = "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
-        with Progress(TextColumn(f"rollout ({config.engine}){who}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("groups"), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=False) as progress:
-            task = progress.add_task("groups", total=total)
-            yield lambda n: progress.advance(task, n)
-
-    return bar()

@@ -38,12 +38,14 @@ from rlpipe.schemas import (
     read_shard,
 )
 from rlpipe.schemas.manifest import InputRef
+from rlpipe.stages.common.progress import progress
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.core import combine
 from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scorer
 
 STAGE = "score"
-KEYS = ("run", "iteration", "prompt_id", "group_id", "sample_index")
+#: Identity columns a scores row copies from its rollouts row: the join key (the schemas') + run, prompt_id.
+KEYS = ("run", "prompt_id", *SCORES.key)
 READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason")
 
 
@@ -88,7 +90,7 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
     # Score shard by shard: read, run every component (checked), write the scores shard.
     scorers = [build_scorer(c) for c in config.components]
     written = []
-    with _progress(f"score{_who(config)}", len(mine)) as advance:
+    with progress(f"score{_who(config)}: shards", len(mine)) as advance:
         for name in mine:
             table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ)
             rows = _rows(config.rollouts / name, table)
@@ -146,20 +148,3 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
 def _who(config: ScoreConfig) -> str:
     return "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
 
-
-class _progress:
-    """A transient rich progress bar on stderr; `with _progress(desc, total) as advance:`."""
-
-    def __init__(self, description: str, total: int):
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self._bar = Progress(console=Console(stderr=True), transient=True)
-        self._task = self._bar.add_task(description, total=total)
-
-    def __enter__(self):
-        self._bar.__enter__()
-        return lambda: self._bar.advance(self._task)
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.__exit__(*exc)
