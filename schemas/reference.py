@@ -2,7 +2,7 @@
 
 Alignment: both lists have the same length as the rollout's `response_token_ids`.
 Shards: one per rollouts shard, same index and row order. Written by the `reference` step
-(`rlpipe.stages.advantage.reference`).
+(`rlpipe.stages.reference`).
 """
 
 import pyarrow as pa

@@ -21,10 +21,7 @@ from rlpipe.schemas import (
     SCORES,
     ArtifactWriter,
     Manifest,
-    cache_key,
-    cached_manifest,
     iter_shards,
-    read_manifest,
     read_table_artifact,
 )
 from rlpipe.schemas.columns import LOGPROBS
@@ -32,6 +29,7 @@ from rlpipe.stages.advantage.config import AdvantageConfig
 from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
 from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
 from rlpipe.stages.advantage.stats import advantage_summary
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.common.tables import KEY, align, length_mask, list_array, padded, shard_index
 
 SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
@@ -40,11 +38,10 @@ SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
 def run(config: AdvantageConfig, *, force: bool = False) -> Manifest:
     """Compute the advantages artifact of `config`; a cache hit returns the existing manifest."""
     started = time.time()
-    paths = {"scores": config.scores, "rollouts": config.rollouts, "reference": config.reference}
-    inputs = {role: read_manifest(p).as_input(p) for role, p in paths.items() if p is not None}
-    key = cache_key("advantage", config.resolved(), {r: i.content_hash for r, i in inputs.items()})
-    if not force and (hit := cached_manifest(config.output, key)) is not None:
-        return hit
+    start = begin("advantage", config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     # 1. Read: scores shard by shard (their boundaries are the output's), the others joined by key.
     shards = list(iter_shards(config.scores, SCORES, columns=SCORE_COLUMNS))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 #: Slurm's per-task variables, as the env:// rendezvous names them.
@@ -97,6 +98,14 @@ def destroy_distributed() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        # DeepSpeed caches groups derived from the world group (a clone of it, the data-parallel
+        # group); they die with it, and a new world group needs new ones.
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
     while _saved_ifname:
         previous = _saved_ifname.pop()
         if previous is None:

@@ -14,12 +14,10 @@ import time
 
 from rlpipe.schemas import (
     MANIFEST_NAME,
-    InputRef,
     Manifest,
-    cache_key,
-    cached_manifest,
     commit_directory,
 )
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.critic_init.config import CriticInitConfig
 
 STAGE = "critic_init"
@@ -60,14 +58,14 @@ def run(config: CriticInitConfig, *, force: bool = False) -> Manifest:
     the policy's tokenizer); the checkpoint manifest is written last."""
     from transformers.utils import logging as hf_logging
 
-    from rlpipe.stages.common.models import checkpoint_key, load_model
+    from rlpipe.stages.common.models import load_model
     from rlpipe.stages.common.tiny import save_pretrained
 
     started = time.time()
-    inputs = {"policy": InputRef(path=str(config.policy), content_hash=checkpoint_key(config.policy))}
-    key = cache_key(STAGE, config.resolved(), {r: i.content_hash for r, i in inputs.items()})
-    if not force and (hit := cached_manifest(config.output, key)) is not None:
-        return hit
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(config.policy, "causal")
     critic = critic_from_policy(model, head=config.head, seed=config.seed)

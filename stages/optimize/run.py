@@ -24,16 +24,14 @@ from rlpipe.schemas import (
     METRICS,
     InputRef,
     Manifest,
-    cache_key,
-    cached_manifest,
     read_manifest,
     write_table_artifact,
 )
 from rlpipe.schemas.writer import commit_directory
-from rlpipe.stages.common.checkpoints import checkpoint_input
 from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.models import load_model, remember
 from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, policy_micro_loss, step_slices
 from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
@@ -50,10 +48,10 @@ STAGE = "optimize"
 def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     """Run the stage; returns the new policy checkpoint's manifest (on every rank)."""
     started = time.time()
-    inputs = _inputs(config)
-    key = cache_key(STAGE, config.resolved(), {role: ref.content_hash for role, ref in inputs.items()})
-    if not force and _cached(config, key):
-        return read_manifest(config.output)
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     from rlpipe.stages.common import deepspeed as ds
     from rlpipe.stages.common.distributed import init_distributed
@@ -123,22 +121,6 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     if crit is not None:
         crit.destroy()
     return manifest
-
-
-def _inputs(config: OptimizeConfig) -> dict[str, InputRef]:
-    refs = {"policy": checkpoint_input(config.policy, "policy"),
-            "rollouts": read_manifest(config.rollouts).as_input(config.rollouts),
-            "advantages": read_manifest(config.advantages).as_input(config.advantages)}
-    if config.reference is not None:
-        refs["reference"] = read_manifest(config.reference).as_input(config.reference)
-    if config.critic is not None:
-        refs["critic"] = checkpoint_input(config.critic, "critic")
-    return refs
-
-
-def _cached(config: OptimizeConfig, key: str) -> bool:
-    outs = [config.output, config.metrics_output] + ([config.critic_output] if config.critic else [])
-    return all(cached_manifest(p, key) is not None for p in outs)
 
 
 def _load_critic(path: Path, seed: int) -> torch.nn.Module:

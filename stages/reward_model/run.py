@@ -21,7 +21,6 @@ from rlpipe.schemas import (
     METRICS,
     PREFERENCES,
     Manifest,
-    cache_key,
     cached_manifest,
     commit_directory,
     read_manifest,
@@ -29,7 +28,7 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.manifest import MANIFEST_NAME
-from rlpipe.stages.common.checkpoints import checkpoint_input
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.reward_model.config import RewardModelConfig
 
 STAGE = "reward_model"
@@ -46,18 +45,13 @@ def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.common.distributed import barrier, init_distributed
     from rlpipe.stages.reward_model import engine as E
     from rlpipe.stages.reward_model.core import split_pairs
-    from rlpipe.stages.reward_model.modeling import RewardCheckpointError, encode
+    from rlpipe.stages.reward_model.modeling import encode
 
     started = time.time()
-    prefs_manifest = read_manifest(config.preferences)
-    if not (config.base / "config.json").is_file():
-        raise RewardCheckpointError(f"base checkpoint {config.base} does not exist or has no config.json")
-    inputs = {"preferences": prefs_manifest.as_input(config.preferences),
-              "base": checkpoint_input(config.base, "base")}
-    key = cache_key(STAGE, config.resolved(), {role: ref.content_hash for role, ref in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force and cached_manifest(metrics_path(config), key) is not None:
-        return cached
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None and cached_manifest(metrics_path(config), start.key) is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     # Data: every pair, tokenised once; the held-out split by seeded hash of pair_id.
     table = read_table_artifact(config.preferences, PREFERENCES)

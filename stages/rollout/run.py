@@ -24,14 +24,11 @@ from rlpipe.schemas import (
     ROLLOUTS,
     ArtifactWriter,
     Manifest,
-    cache_key,
-    cached_manifest,
-    read_manifest,
     read_table_artifact,
     shard_name,
 )
-from rlpipe.stages.common.checkpoints import checkpoint_input
 from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.rollout.core import group_seed, select_prompts, shard_ranges, worker_shards
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec, get_engine
@@ -43,13 +40,12 @@ _PLACEMENT = ("worker_index", "worker_count")
 
 def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
     started = time.time()
-    inputs = {"prompts": read_manifest(config.prompts).as_input(config.prompts),
-              "policy": checkpoint_input(config.checkpoint, "policy")}
-    content = {k: v for k, v in config.resolved().items() if k not in _PLACEMENT}
-    key = cache_key(STAGE, content, {role: ref.content_hash for role, ref in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+    # N workers splitting the work write what one process writes: the split is not in the key.
+    start = begin(STAGE, config, force=force,
+                  key_config={k: v for k, v in config.cache_dict().items() if k not in _PLACEMENT})
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     prompts = read_table_artifact(config.prompts, PROMPTS).to_pylist()
     if not prompts:

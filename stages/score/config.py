@@ -158,5 +158,8 @@ class ScoreConfig(StageConfig):
         return self
 
     def work_key(self) -> dict[str, Any]:
-        """The config minus how the work is split: equal for 1 process and for N workers."""
-        return self.model_dump(mode="json", exclude={"worker_count", "worker_index"})
+        """What decides the scores: the config without its paths (reward-model checkpoints enter
+        the key by content) and without how the work is split (1 process = N workers)."""
+        out = {k: v for k, v in self.cache_dict().items() if k not in ("worker_count", "worker_index")}
+        out["components"] = [{k: v for k, v in c.items() if k != "checkpoint"} for c in out["components"]]
+        return out

@@ -32,13 +32,12 @@ from rlpipe.schemas import (
     ArtifactError,
     ArtifactWriter,
     Manifest,
-    cache_key,
-    cached_manifest,
     read_manifest,
     read_shard,
 )
 from rlpipe.schemas.manifest import InputRef
 from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.core import combine
 from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scorer
@@ -61,27 +60,24 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.reward_model.modeling import RewardCheckpointError, check_reward_checkpoint
 
     started = time.time()
-    rollouts = read_manifest(config.rollouts)
-    if rollouts.schema_name != ROLLOUTS.name:
-        raise ArtifactError(f"{config.rollouts} holds {rollouts.schema_name!r} rows, expected 'rollouts'")
-    inputs = {"rollouts": rollouts.as_input(config.rollouts)}
+    models = {}  # a reward model's checkpoint enters the key by content, not by path
     for c in config.components:
         if c.type == "reward_model":
             try:
                 check_reward_checkpoint(c.checkpoint)
             except RewardCheckpointError as e:
                 raise ScoreError(c, None, "", str(e)) from None
-            inputs[f"reward_model:{c.name}"] = InputRef(path=str(c.checkpoint), content_hash=checkpoint_key(c.checkpoint))
-    key = cache_key(STAGE, config.work_key(), {role: ref.content_hash for role, ref in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+            models[f"reward_model:{c.name}"] = InputRef(path=str(c.checkpoint), content_hash=checkpoint_key(c.checkpoint))
+    start = begin(STAGE, config, force=force, extra_inputs=models, key_config=config.work_key())
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     extra_columns = [SCORES.families[0].column(c.name, f"{c.type} component, weight {c.weight}")
                      for c in config.components]
-    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=config.work_key(), inputs=inputs,
+    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=_recorded(config), inputs=inputs,
                             cache_key=key, extra_columns=extra_columns, clean=config.worker_index is None)
-    names = rollouts.shard_names
+    names = read_manifest(config.rollouts).shard_names
     mine = names
     if config.worker_index is not None:
         mine = [n for n in names if shard_index(n) % config.worker_count == config.worker_index]
@@ -148,3 +144,8 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
 def _who(config: ScoreConfig) -> str:
     return "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
 
+
+
+def _recorded(config: ScoreConfig) -> dict:
+    """The config the manifest records: the same whichever of N workers commits it."""
+    return {k: v for k, v in config.resolved().items() if k not in ("worker_index", "worker_count")}

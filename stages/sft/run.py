@@ -16,14 +16,12 @@ from rlpipe.schemas import (
     METRICS,
     PROMPTS,
     Manifest,
-    cache_key,
-    cached_manifest,
     commit_directory,
     read_manifest,
     read_table_artifact,
     write_table_artifact,
 )
-from rlpipe.stages.common.checkpoints import checkpoint_input
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.sft.config import SFTConfig
 
 STAGE = "sft"
@@ -39,12 +37,10 @@ def run(config: SFTConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.common.progress import progress
     from rlpipe.stages.sft import core
 
-    inputs = {"base": checkpoint_input(config.base, "base"),
-              "prompts": read_manifest(config.prompts).as_input(config.prompts)}
-    key = cache_key(STAGE, config.resolved(), {k: v.content_hash for k, v in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
     started = time.time()
     transformers.utils.logging.disable_progress_bar()
     dist_info = init_distributed()

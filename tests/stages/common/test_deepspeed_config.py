@@ -42,9 +42,9 @@ def test_config_is_the_templatefilled(stage):
 
 
 def test_sft_builds_its_config_from_the_template(tmp_path, tiny_policy_dir, monkeypatch):
-    from rlpipe.pipelines.tasks import ArithmeticTask, make_splits, write_prompts
     from rlpipe.stages.sft.config import SFTConfig
     from rlpipe.stages.sft.run import run
+    from rlpipe.stages.task.arithmetic import ArithmeticTask, make_splits, write_prompts
 
     task = ArithmeticTask(a_range=(0, 9), b_range=(0, 9))
     write_prompts(tmp_path / "prompts", make_splits(task, 20, 0, seed=0)[0], split="train", task=task, seed=0)
@@ -57,9 +57,9 @@ def test_sft_builds_its_config_from_the_template(tmp_path, tiny_policy_dir, monk
 
 
 def test_reward_model_builds_its_config_from_the_template(tmp_path, tiny_policy_dir, monkeypatch):
+    from rlpipe.stages.preferences.synthetic import write_synthetic_preferences
     from rlpipe.stages.reward_model.config import RewardModelConfig
     from rlpipe.stages.reward_model.run import run
-    from rlpipe.stages.reward_model.synthetic import write_synthetic_preferences
 
     write_synthetic_preferences(tmp_path / "prefs", 40, kind="keyword", seed=1)
     seen, built = _captured_config(monkeypatch)

@@ -60,7 +60,7 @@ def test_accuracy_matches_the_reference_decoder(tiny_policy_dir, heldout, refere
     rollouts = read_table_artifact(cfg.output / "rollouts", "rollouts").to_pylist()
     assert [r["response"] for r in rollouts] == [g.response for g in reference]
     assert {r["iteration"] for r in rollouts} == {3} and {r["sampling"]["temperature"] for r in rollouts} == {0.0}
-    assert set(manifest.inputs) == {"prompts", "policy"}
+    assert set(manifest.inputs) == {"prompts", "checkpoint"}
     # Rerun: cache hit, same manifest.
     assert run(cfg).created_at == manifest.created_at
 

@@ -13,6 +13,7 @@ from rlpipe.schemas import (
     validate_artifact,
     write_table_artifact,
 )
+from rlpipe.schemas.errors import UserError
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.preferences.synthetic import synthetic_preferences, write_synthetic_preferences
 from rlpipe.stages.reward_model import engine
@@ -20,7 +21,6 @@ from rlpipe.stages.reward_model.__main__ import main
 from rlpipe.stages.reward_model.config import RewardModelConfig
 from rlpipe.stages.reward_model.core import split_pairs
 from rlpipe.stages.reward_model.modeling import (
-    RewardCheckpointError,
     check_reward_checkpoint,
     score_texts,
 )
@@ -97,7 +97,7 @@ def test_cli_and_bad_inputs(prefs, small_prefs, tiny_policy_dir, tiny_reward_dir
     assert main(["--print-config", f"preferences={prefs}", f"base={tiny_policy_dir}", f"output={tmp_path}/o"]) == 0
     assert "zero_stage: 0" in capsys.readouterr().out
     assert main([f"preferences={prefs}", f"base={tiny_policy_dir}", "zero_stage=4"]) == 2  # invalid config
-    with pytest.raises(RewardCheckpointError, match="does not exist"):
+    with pytest.raises(UserError, match="base: .*missing does not exist"):
         run(_config(prefs, tmp_path / "missing", tmp_path / "o"))
     # a 1-label sequence-classification base is accepted as is (its head is kept)
     cfg = _config(small_prefs, tiny_reward_dir, tmp_path / "from_rm", epochs=1, eval_fraction=0.1, lr=1e-9)

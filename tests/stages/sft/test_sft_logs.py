@@ -7,9 +7,14 @@ import re
 import subprocess
 import sys
 
-from rlpipe.pipelines.tasks import ArithmeticTask, make_splits, tokenizer_texts, write_prompts
 from rlpipe.schemas import read_manifest
-from rlpipe.stages.sft.base import make_base_checkpoint
+from rlpipe.stages.base_model.run import make_base_checkpoint
+from rlpipe.stages.task.arithmetic import (
+    ArithmeticTask,
+    make_splits,
+    tokenizer_texts,
+    write_prompts,
+)
 
 TASK = ArithmeticTask(a_range=(0, 9), b_range=(0, 9))
 STEPS = 20
