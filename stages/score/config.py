@@ -105,7 +105,9 @@ class OverlongComponent(_Component):
 
 
 class PythonComponent(_Component):
-    """A user function `fn(prompts, responses, answers, **kwargs) -> list[float]` called on batches."""
+    """A user function `fn(prompts, responses, answers, **kwargs) -> list[float]` called on batches.
+    A function that takes a `metadata` keyword (or **kwargs) also gets the rows' prompt metadata:
+    a list of dicts, one per row ({} where the prompt has none)."""
 
     type: Literal["python"] = "python"
     function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -11,6 +11,7 @@ Adding a component type: write a config class in config.py (with a new `type` li
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class Rows:
     """Response lengths in tokens, (N,) int."""
     group_ids: list[int]
     sample_indices: list[int]
+    metadata: list[dict[str, Any]]
+    """Each row's prompt metadata (the prompts artifact's JSON object: test cases, choices, a
+    reference solution, ...), {} where the prompt has none: what a verifier needs beyond `answers`."""
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -151,6 +155,17 @@ def reward_model_scorer(c: Any) -> Scorer:
     return score
 
 
+def accepts_metadata(fn: Callable[..., Any]) -> bool:
+    """Whether a user reward function takes a `metadata` keyword (by name, or through **kwargs):
+    functions written before metadata reached the score stage are called without it."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any(p.name == "metadata" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind is p.VAR_KEYWORD for p in params)
+
+
 @register("python")
 def python_scorer(c: Any) -> Scorer:
     module_name, _, attr = c.function.partition(":")
@@ -160,13 +175,17 @@ def python_scorer(c: Any) -> Scorer:
         raise ScoreError(c, None, "", f"cannot import {c.function!r}: {e}") from None
     if not callable(fn):
         raise ScoreError(c, None, "", f"{c.function!r} is not callable")
+    with_metadata = accepts_metadata(fn)
+    if with_metadata and "metadata" in c.kwargs:
+        raise ScoreError(c, None, "", f"{c.function} takes the rows' `metadata`; kwargs may not set it too")
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []
         for a in range(0, len(rows), c.batch_size):
             b = min(a + c.batch_size, len(rows))
+            extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
             try:
-                values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs)
+                values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
                 values = list(values)
             except Exception as e:  # a user function: report where, keep the original as cause
                 raise ScoreError(c, rows.shard, f"rows {a}..{b - 1}", f"{c.function} raised {type(e).__name__}: {e}") from e
