@@ -85,8 +85,8 @@ def rows_text(rows: Sequence[int], limit: int = 10) -> str:
     return shown + (f", ... ({len(rows)} in all)" if len(rows) > limit else "")
 
 
-def duplicates_text(dups: dict[Any, list[int]], offset: int = 0, limit: int = 5) -> str:
-    """"'a' at rows 1, 4; 'b' at rows 2, 9" for `duplicate_ids` output (positions + offset)."""
-    parts = [f"{v!r} at rows {rows_text([r + offset for r in rows])}" for v, rows in list(dups.items())[:limit]]
+def duplicates_text(dups: dict[Any, list[int]], unit: str = "rows", limit: int = 5) -> str:
+    """"'a' at rows 1, 4; 'b' at rows 2, 9" for `duplicate_ids` output (positions as given)."""
+    parts = [f"{v!r} at {unit} {rows_text(rows)}" for v, rows in list(dups.items())[:limit]]
     more = f"; ... ({len(dups)} ids in all)" if len(dups) > limit else ""
     return "; ".join(parts) + more
