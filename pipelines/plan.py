@@ -85,9 +85,9 @@ class Plan:
             if path is not None and is_data_file(path):
                 kind = "preferences" if field == "preferences" else "prompts"
                 knobs = {k: v for k, v in self.preset.import_data.items() if k not in ONLY_FOR[kind]}
-                calls.append(StageCall("import_data", stage_config(
-                    "import_data", knobs, self.source, source=path, **{kind: self.layout.data(name)}),
-                    self.setup_dir / name))
+                assigned = {"source": path, kind: self.layout.data(name)}  # (stage_config has a `source` arg)
+                calls.append(StageCall("import_data", stage_config("import_data", {**knobs, **assigned}, self.source),
+                                       self.setup_dir / name))
         return calls
 
     def _data(self, field: str) -> Path | None:
