@@ -14,10 +14,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def input_problem(path: Path | str, kind: str) -> str | None:
-    """Why `path` cannot serve as an input of `kind` (a schema name or 'checkpoint'); None if it can."""
+    """Why `path` cannot serve as an input of `kind` (a schema name, 'checkpoint', or 'file': data
+    to import); None if it can."""
     path = Path(path)
     if not path.exists():
         return f"{path} does not exist"
+    if kind == "file":  # data to import: a file, or a folder saved by `datasets`
+        return None
     if not path.is_dir():
         return f"{path} is a file; an artifact or checkpoint is a directory (import data files with `rlpipe data import`)"
     if kind == "checkpoint":

@@ -89,7 +89,7 @@ def test_validate_ok_and_invalid(run_dir):
     art = run_dir / "iter_0000" / "rollouts"
     r = invoke("validate", art)
     assert r.exit_code == 0
-    assert r.output.strip().startswith(f"OK {art}: table rollouts v1, 8 rows in 2 shard(s), stage rollout")
+    assert r.output.strip().startswith(f"OK {art}: table rollouts v{ROLLOUTS.version}, 8 rows in 2 shard(s), stage rollout")
     assert invoke("validate", art, "--schema", "scores").exit_code == 1
     # a shard replaced by one missing a column: exit 1, the file and the column named
     shard = art / "part-00001.parquet"

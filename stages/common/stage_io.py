@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpipe.schemas import InputRef, Manifest, cache_key, cached_manifest, read_manifest
+from rlpipe.schemas.atomic import content_sha256
 from rlpipe.schemas.config import StageConfig
 from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.inputs import input_problem
@@ -50,6 +51,8 @@ def input_refs(config: StageConfig) -> dict[str, InputRef]:
             raise UserError(f"{name}: {problem}")
         if kinds[name].kind == "checkpoint":
             refs[name] = InputRef(path=str(path), content_hash=checkpoint_key(path))
+        elif kinds[name].kind == "file":
+            refs[name] = InputRef(path=str(path), content_hash=content_sha256(path))
         else:
             refs[name] = read_manifest(path).as_input(path)
     return refs

@@ -109,6 +109,8 @@ class PythonComponent(_Component):
 
     Called on batches of `batch_size` rows: three lists of equal length (prompt texts, response
     texts, reference answers or None); returns one finite float per row (a verifier: 1.0 / 0.0).
+    A function that takes a `metadata` keyword (or **kwargs) also gets the rows' prompt metadata:
+    a list of dicts, one per row ({} where the prompt has none).
     """
 
     type: Literal["python"] = "python"

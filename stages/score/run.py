@@ -45,7 +45,7 @@ from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scor
 STAGE = "score"
 #: Identity columns a scores row copies from its rollouts row: the join key (the schemas') + run, prompt_id.
 KEYS = ("run", "prompt_id", *SCORES.key)
-READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason")
+READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason", "metadata")
 
 
 def shard_index(name: str) -> int:
@@ -109,7 +109,25 @@ def _rows(shard: Path, table: pa.Table) -> Rows:
         lengths=pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False),
         group_ids=table.column("group_id").to_pylist(),
         sample_indices=table.column("sample_index").to_pylist(),
+        metadata=_metadata(shard, table),
     )
+
+
+def _metadata(shard: Path, table: pa.Table) -> list[dict[str, Any]]:
+    """The rows' metadata JSON objects, parsed once per shard ({} where null)."""
+    import json
+
+    out = []
+    for i, text in enumerate(table.column("metadata").to_pylist()):
+        try:
+            value = json.loads(text) if text is not None else {}
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{shard}, row {i}: column 'metadata' is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ArtifactError(f"{shard}, row {i}: column 'metadata' holds a JSON {type(value).__name__}, "
+                                "not an object")
+        out.append(value)
+    return out
 
 
 def _scores_table(table: pa.Table, config: ScoreConfig, values: list[np.ndarray]) -> dict[str, Any]:

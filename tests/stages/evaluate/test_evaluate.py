@@ -38,7 +38,7 @@ def heldout(tmp_path_factory, reference):
     path = tmp_path_factory.mktemp("eval") / "heldout"
     write_table_artifact(path, PROMPTS, {
         "prompt_id": [f"p{i}" for i in range(20)], "prompt": PROMPTS_TEXT, "answer": answers,
-        "metadata": [None] * 20}, stage="test")
+        "metadata": [None] * 20, "messages": [None] * 20}, stage="test")
     return path
 
 
