@@ -143,8 +143,11 @@ class Pipeline:
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> list[IterationRecord]:
+        from rlpipe.pipelines.sinks import RunMonitor
+
         p, L = self.preset, self.layout
         self._start_run_dir()
+        monitor = RunMonitor(p, L.root)  # metric sinks + the report, after every iteration
         self._seconds: dict[str, float] = {}
         train, heldout, sft_prompts = self._prepare_data()
         policy = self._prepare_base_model()
@@ -166,11 +169,10 @@ class Pipeline:
             record = self._record(k, time.perf_counter() - started)
             self.records.append(record)
             self.log(self._line(record))
+            monitor.on_iteration(record)
             if self.on_iteration is not None:
                 self.on_iteration(record)
-        from rlpipe.pipelines.report import write_report
-
-        write_report(L.root)
+        monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
 
