@@ -2,11 +2,19 @@
 
 Thin wrappers: the pipeline (`rlpipe.pipelines.runner.Pipeline`) decides what runs; here every
 stage call becomes a Prefect task (retried where a retry can help), tasks pass configs and
-manifests (paths and hashes, never tensors), and every iteration publishes a markdown table as a
-Prefect artifact. Stages run in this process, so models stay warm between iterations.
+manifests (paths and hashes, never tensors). Stages run in this process, so models stay warm
+between iterations. What the Prefect UI shows of a run:
+
+- the data flow: each stage task is recorded as depending on the tasks that wrote its inputs
+  (within an iteration rollout -> score -> (reference) -> advantage -> optimize -> evaluate; the
+  next iteration's rollout on the optimize that wrote its policy), found by matching the input
+  paths of its config against the outputs of earlier tasks;
+- a progress artifact `<run>-progress`, updated after every stage, naming the running iteration;
+- a table artifact `<run>-iterations`: the per-iteration summary (`report.run_table`, the same
+  numbers as the report and `rlpipe inspect`), a new version after every iteration.
 
 By default the flow runs on Prefect's temporary local API; with `PREFECT_API_URL` set it runs
-under that server (and its UI shows the tasks and the per-iteration tables).
+under that server (and its UI shows the tasks and the artifacts).
 """
 
 from __future__ import annotations
@@ -19,17 +27,27 @@ import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.artifacts import (  # noqa: E402
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NONE  # noqa: E402
+from prefect.states import State  # noqa: E402
 
 from rlpipe.pipelines.preset import Preset  # noqa: E402
-from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
+from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
+from rlpipe.pipelines.runner import Pipeline, run_stage  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.config import StageConfig  # noqa: E402
 
 #: Retries per stage: generation and scoring can hit transient engine/worker failures; a failed
 #: optimisation step is not retried blindly (a deterministic error would just repeat).
 RETRIES = {"rollout": 1, "score": 1, "reference": 1, "evaluate": 1}
+
+#: Stages of one iteration in order, for the progress artifact (evaluate, which runs only every
+#: few iterations, does not count).
+ITERATION_STAGES = ("rollout", "score", "reference", "advantage", "optimize")
 
 
 @task(cache_policy=NONE, persist_result=False)
@@ -38,30 +56,70 @@ def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
     return run_stage(name, config, force=force)
 
 
-def _call(name: str, config: StageConfig) -> Manifest:
-    # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
-    output = getattr(config, "output", None)
-    task_name = f"{name}[{Path(output).parent.name}]" if output is not None else name
-    return stage_task.with_options(name=task_name, retries=RETRIES.get(name, 0), retry_delay_seconds=2)(name, config)
+def artifact_key(text: str) -> str:
+    """A Prefect artifact key: lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]", "-", text.lower())
 
 
-def _publish(run: str, record: IterationRecord) -> None:
-    rows = [f"| {k} | {v:.4g} |" for k, v in record.metrics.items()]
-    rows += [f"| seconds_{k} | {v:.3f} |" for k, v in record.seconds.items()]
-    create_markdown_artifact(
-        # Artifact keys allow lowercase letters, digits and dashes only.
-        key=re.sub(r"[^a-z0-9-]", "-", f"{run.lower()}-iter-{record.iteration:04d}"),
-        markdown="\n".join([f"### {run}: iteration {record.iteration + 1}", "", "| metric | value |",
-                            "|---|---|", *rows]),
-        description=f"rlpipe {run} iteration {record.iteration + 1}",
-    )
+class FlowStages:
+    """The run flow's `call(name, config)`: each stage a Prefect task with the tasks that wrote
+    its inputs passed as `wait_for` (the API records them as its upstream dependencies), and the
+    progress artifact updated after each stage of an iteration."""
+
+    def __init__(self, preset: Preset, run: str):
+        self.iterations = preset.iterations
+        uses_reference = preset.model.reference or preset.model.critic
+        self.stages = [s for s in ITERATION_STAGES if s != "reference" or uses_reference]
+        self.written_by: dict[Path, State] = {}  # artifact path -> final state of the task that wrote it
+        self.progress = create_progress_artifact(0.0, key=artifact_key(f"{run}-progress"),
+                                                 description=f"rlpipe {run}: set-up")
+
+    def __call__(self, name: str, config: StageConfig) -> Manifest:
+        fields = config.model_dump()
+        outputs = [Path(v) for f, v in fields.items() if (f == "output" or f.endswith("_output")) and v]
+        inputs = set(_paths(fields)) - set(outputs)
+        upstream = [self.written_by[p] for p in sorted(inputs) if p in self.written_by]
+        # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
+        task_name = f"{name}[{outputs[0].parent.name}]" if outputs else name
+        state = stage_task.with_options(name=task_name, retries=RETRIES.get(name, 0), retry_delay_seconds=2)(
+            name, config, wait_for=upstream, return_state=True)
+        manifest = state.result()  # raises the stage's error when it failed
+        for p in outputs:
+            self.written_by[p] = state
+        where = outputs[0].parent.name if outputs else ""
+        if where.startswith("iter_") and name in self.stages:
+            k = int(where[5:])
+            done = (k + (self.stages.index(name) + 1) / len(self.stages)) / self.iterations
+            update_progress_artifact(self.progress, progress=100.0 * done,
+                                     description=f"iteration {shown_iteration(k)}/{self.iterations}: {name} done")
+        return manifest
+
+
+def _paths(value: object):
+    """Every Path in a config dump, nested ones (a score component's checkpoint) included."""
+    if isinstance(value, Path):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _paths(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _paths(v)
+
+
+def publish_table(run: str, run_dir: Path) -> None:
+    """The per-iteration summary of the run so far as a table artifact (a new version of its key)."""
+    table = run_table(run_dir)
+    create_table_artifact(table=table.to_dicts(), key=artifact_key(f"{run}-iterations"),
+                          description=f"rlpipe {run}: {table.height} iteration(s). {NOTE}")
 
 
 @flow(name="rlpipe-run", log_prints=True)
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
-    pipeline = Pipeline(preset, run_dir, call=_call, log=get_run_logger().info)
-    pipeline.on_iteration = lambda record: _publish(pipeline.layout.name, record)
+    pipeline = Pipeline(preset, run_dir, log=get_run_logger().info)
+    pipeline.call = FlowStages(preset, pipeline.layout.name)
+    pipeline.on_iteration = lambda record: publish_table(pipeline.layout.name, pipeline.layout.root)
     pipeline.run()
     return str(pipeline.layout.root)
 

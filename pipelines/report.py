@@ -237,10 +237,21 @@ def _replace(path: Path, data: bytes) -> None:
 
 
 def plot_curves(table, initial: dict[str, float], title: str) -> bytes:
-    """curves.png (bytes): one panel per `shown_panels` column against the shown iteration,
-    integer ticks; held-out accuracy starts at 0 with the evaluation before training."""
+    """curves.png, as bytes (see `curves_figure`)."""
     import io
 
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(table, initial, title)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def curves_figure(table, initial: dict[str, float], title: str):
+    """One panel per `shown_panels` column against the shown iteration, integer ticks; held-out
+    accuracy starts at 0 with the evaluation before training. The caller closes the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,10 +278,7 @@ def plot_curves(table, initial: dict[str, float], title: str) -> bytes:
         axes.flat[0].text(0.5, 0.5, "no iterations yet", ha="center", va="center")
     fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 def format_value(value: Any) -> str:
