@@ -25,6 +25,7 @@ from rlpipe.pipelines.report import (
     format_value,
     iteration_dirs,
     iteration_metrics,
+    printable,
     sample_completions,
     shown_iteration,
     stage_seconds,
@@ -130,7 +131,7 @@ def _short(value: Any) -> str:
         return "{" + ", ".join(f"{k}={_short(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float):
         return f"{value:.4g}"
-    text = str(value).replace("\n", "\\n")
+    text = printable(str(value))
     return text if len(text) <= MAX_CELL else f"{text[:MAX_CELL]}... ({len(text)} chars)"
 
 
@@ -340,8 +341,8 @@ def show_run(run_dir: Path, console: Console, metrics: Sequence[str] = ()) -> pl
             t.add_row(str(art.relative_to(run_dir)), what, size, m.stage, m.content_hash[:12])
         console.print(t)
     summary = run_summary(run_dir, metrics)
-    console.print(f"{summary.height} iteration(s); iteration n is iter_{{n-1:04d}}; "
-                  "optimiser metrics: means over steps", markup=False)
+    console.print(f"{summary.height} iteration(s), n = iter_{{n-1:04d}}; optimiser metrics: means over steps",
+                  markup=False)
     print_wide(console, summary.drop("artifacts"), f"{run_dir}: per iteration", _HEADERS)
     t = Table(title="artifacts per iteration ('!': unfinished, no manifest)", title_justify="left")
     t.add_column("iter", justify="right", no_wrap=True)

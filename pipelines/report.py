@@ -288,6 +288,11 @@ def format_value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def printable(text: str) -> str:
+    """Text on one line: control and line-separator characters as escapes ('\\n', '\\x1e')."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def markdown_table(table) -> str:
     """A Polars DataFrame as a markdown table (floats to 4 significant digits)."""
     if table.is_empty():

@@ -20,6 +20,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 th { background: #f0f0f0; }
 td.text { font-family: ui-monospace, monospace; white-space: pre-wrap; max-width: 30em; }
 img { max-width: 100%; }
+.scroll { overflow-x: auto; }
 .note { color: #555; font-size: 0.9em; }
 """
 
@@ -51,7 +52,8 @@ def render_html(run: str, table, png: bytes, initial: dict[str, float],
         head = "".join(f"<th title='{escape(COLUMNS.get(c, (c, c))[1])}'>{escape(c)}</th>" for c in table.columns)
         body = "".join("<tr>" + "".join(f"<td class='num'>{escape(format_value(v))}</td>" for v in row) + "</tr>"
                        for row in table.iter_rows())
-        parts.append(f"<table id='iterations'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        parts.append(f"<div class='scroll'><table id='iterations'><thead><tr>{head}</tr></thead>"
+                     f"<tbody>{body}</tbody></table></div>")
     if samples is not None:
         n, frame = samples
         parts.append(f"<h2>Sample completions, iteration {n}</h2>")

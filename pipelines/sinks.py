@@ -172,10 +172,10 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def samples_markdown(samples) -> str:
     """Sample completions as a markdown table (for TensorBoard's text plugin)."""
-    from rlpipe.pipelines.report import format_value
+    from rlpipe.pipelines.report import format_value, printable
 
     def cell(v: Any) -> str:
-        return format_value(v).replace("|", "\\|").replace("\n", "\\n")
+        return printable(format_value(v)).replace("|", "\\|")
 
     head = "| " + " | ".join(samples.columns) + " |"
     sep = "|" + "---|" * len(samples.columns)

@@ -1,5 +1,7 @@
 """The Prefect flows run for real, on Prefect's test harness (a temporary local API)."""
 
+import json
+
 import pytest
 
 from rlpipe.flows.settings import configure
@@ -38,9 +40,32 @@ def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file
     result = stage_flow("score", config)
     assert result["content_hash"] == read_manifest(run_dir / "iter_0000/scores").content_hash
 
-    # the iteration's metrics table was published as a Prefect artifact
-    with get_client(sync_client=True) as client:
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
 
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mini-iter-0000"])))
-    assert arts and "reward_mean" in arts[0].data
+    from rlpipe.pipelines.report import run_table
+
+    with get_client(sync_client=True) as client:
+        # the per-iteration summary as a table artifact: the report's numbers
+        [table] = client.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mini-iterations"])))
+        assert table.type == "table" and json.loads(table.data) == run_table(run_dir).to_dicts()
+        [progress] = client.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mini-progress"])))
+        assert progress.type == "progress" and progress.data == 100.0
+        assert progress.description == "iteration 1/1: optimize done"
+        # the data flow within the iteration, as task dependencies recorded by the API
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    name = {r.id: r.name.rsplit("-", 1)[0] for r in runs}  # "score[iter_0000]-a1b" -> "score[iter_0000]"
+    upstream = {name[r.id]: {name[i.id] for i in r.task_inputs.get("wait_for", [])} for r in runs}
+    assert upstream == {
+        "sft[models]": set(),
+        "evaluate[mini]": {"sft[models]"},  # eval_0000: the starting policy
+        "rollout[iter_0000]": {"sft[models]"},
+        "score[iter_0000]": {"rollout[iter_0000]"},
+        "advantage[iter_0000]": {"score[iter_0000]"},
+        "optimize[iter_0000]": {"sft[models]", "rollout[iter_0000]", "advantage[iter_0000]"},
+        "evaluate[iter_0000]": {"optimize[iter_0000]"},
+    }
