@@ -24,6 +24,7 @@ from rlpipe.flows.settings import configure
 configure()
 
 import re  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger, task  # noqa: E402
@@ -34,6 +35,7 @@ from prefect.artifacts import (  # noqa: E402
 )
 from prefect.cache_policies import NONE  # noqa: E402
 from prefect.states import State  # noqa: E402
+from prefect.utilities.annotations import quote  # noqa: E402
 
 from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
@@ -61,6 +63,13 @@ def artifact_key(text: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", text.lower())
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """What a dependency resolves to for the task waiting on it: the upstream task's name."""
+
+    task: str
+
+
 class FlowStages:
     """The run flow's `call(name, config)`: each stage a Prefect task with the tasks that wrote
     its inputs passed as `wait_for` (the API records them as its upstream dependencies), and the
@@ -71,6 +80,9 @@ class FlowStages:
         uses_reference = preset.model.reference or preset.model.critic
         self.stages = [s for s in ITERATION_STAGES if s != "reference" or uses_reference]
         self.written_by: dict[Path, State] = {}  # artifact path -> final state of the task that wrote it
+        # Every task's result stays referenced for the run: Prefect links a result's parts to its
+        # task by id(), and a freed part's id reused by a new object would fake a dependency.
+        self.results: list[Manifest] = []
         self.progress = create_progress_artifact(0.0, key=artifact_key(f"{run}-progress"),
                                                  description=f"rlpipe {run}: set-up")
 
@@ -81,11 +93,20 @@ class FlowStages:
         upstream = [self.written_by[p] for p in sorted(inputs) if p in self.written_by]
         # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
         task_name = f"{name}[{outputs[0].parent.name}]" if outputs else name
+        # name and config quoted: Prefect would otherwise link any object in them that an earlier
+        # task returned (the stage name is the same interned string as the `stage` of every
+        # earlier manifest of that stage: rollout -> rollout across iterations); the data flow
+        # is exactly `upstream`.
         state = stage_task.with_options(name=task_name, retries=RETRIES.get(name, 0), retry_delay_seconds=2)(
-            name, config, wait_for=upstream, return_state=True)
+            quote(name), quote(config), wait_for=upstream, return_state=True)
         manifest = state.result()  # raises the stage's error when it failed
+        self.results.append(manifest)
+        # wait_for gets the state without the manifest: Prefect walks into what wait_for holds and
+        # takes any object another task returned for a dependency on that task, and manifests
+        # share strings (pydantic caches them when parsing): every task would depend on every other.
+        bare = state.model_copy(update={"data": Upstream(task_name)})
         for p in outputs:
-            self.written_by[p] = state
+            self.written_by[p] = bare
         where = outputs[0].parent.name if outputs else ""
         if where.startswith("iter_") and name in self.stages:
             k = int(where[5:])

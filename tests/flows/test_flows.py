@@ -59,7 +59,9 @@ def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file
         # the data flow within the iteration, as task dependencies recorded by the API
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     name = {r.id: r.name.rsplit("-", 1)[0] for r in runs}  # "score[iter_0000]-a1b" -> "score[iter_0000]"
-    upstream = {name[r.id]: {name[i.id] for i in r.task_inputs.get("wait_for", [])} for r in runs}
+    # every recorded input (wait_for and the parameters), as the UI draws them
+    upstream = {name[r.id]: {name[i.id] for key, inputs in r.task_inputs.items() if key != "__parents__"
+                             for i in inputs} for r in runs}
     assert upstream == {
         "sft[models]": set(),
         "evaluate[mini]": {"sft[models]"},  # eval_0000: the starting policy
