@@ -261,7 +261,8 @@ def curves_figure(table, initial: dict[str, float], title: str):
     panels = shown_panels(table) if not table.is_empty() else []
     cols = 4
     rows = max((len(panels) + cols - 1) // cols, 1)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    # constrained layout: laid out during the one draw savefig makes (tight_layout draws twice)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False, layout="constrained")
     for ax, key in zip(axes.flat, panels, strict=False):
         data = table.select("iteration", key).drop_nulls()
         x, y = data["iteration"].to_list(), data[key].to_list()
@@ -277,7 +278,6 @@ def curves_figure(table, initial: dict[str, float], title: str):
     if not panels:
         axes.flat[0].text(0.5, 0.5, "no iterations yet", ha="center", va="center")
     fig.suptitle(title)
-    fig.tight_layout()
     return fig
 
 
