@@ -108,13 +108,18 @@ def inspect(
     rows: Annotated[int, typer.Option("--rows", "-n", min=0, help="Sample rows to show (table artifacts).")] = 3,
     metric: Annotated[list[str] | None, typer.Option(
         "--metric", "-m", help="Extra metric to show per iteration (run directories); repeatable.")] = None,
+    samples: Annotated[int, typer.Option(
+        "--samples", min=0, help="Run directories: print this many sample completions with their rewards.")] = 0,
+    iteration: Annotated[int | None, typer.Option(
+        "--iteration", min=1, help="With --samples: the iteration (as shown, 1 = iter_0000; default the latest).")] = None,
 ) -> None:
     """Summarise an artifact (rows, schema, statistics, sample rows) or a run (one row per iteration)."""
     from rlpipe.pipelines import inspect as insp
     from rlpipe.schemas import ArtifactError
 
     try:
-        insp.inspect_path(path, _console(), sample_rows=rows, metrics=metric or ())
+        insp.inspect_path(path, _console(), sample_rows=rows, metrics=metric or (), samples=samples,
+                          iteration=iteration)
     except (ArtifactError, FileNotFoundError, NotADirectoryError) as e:
         raise _fail(str(e), 1) from None
 

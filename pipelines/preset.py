@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 
@@ -105,6 +105,18 @@ class Preset(_Spec):
     """Knobs of the optimize stage (loss, lr, epochs, kl_beta, zero_stage, ...)."""
     evaluate: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the evaluate stage."""
+    loggers: list[str] = []
+    """Metric sinks that get every iteration's summary, the resolved preset and sample
+    completions, by name: tensorboard, mlflow, wandb (offline unless WANDB_MODE says otherwise);
+    they write under runs/<run>/logs/<name>/ (see pipelines/sinks.py)."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, names: list[str]) -> list[str]:
+        from rlpipe.pipelines.sinks import check_sink_names
+
+        check_sink_names(names)
+        return names
 
     def fragment(self, stage: str) -> dict[str, Any] | None:
         """The preset's knobs for `stage` (None: the preset skips that optional stage)."""

@@ -82,9 +82,12 @@ class Pipeline:
 
     def run(self) -> list[IterationRecord]:
         """Set-up stages, then the iterations; returns one record per iteration."""
+        from rlpipe.pipelines.sinks import RunMonitor
+
         p, L = self.preset, self.layout
         self.plan.check_inputs()
         self._start_run_dir()
+        monitor = RunMonitor(p, L.root)  # metric sinks + the report, after every iteration
         for call in self.plan.setup():
             self.execute(call)
         self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(self._seconds)})")
@@ -96,11 +99,10 @@ class Pipeline:
             record = self._record(k, time.perf_counter() - started)
             self.records.append(record)
             self.log(self._line(record))
+            monitor.on_iteration(record)
             if self.on_iteration is not None:
                 self.on_iteration(record)
-        from rlpipe.pipelines.report import write_report
-
-        write_report(L.root)
+        monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
 
@@ -110,10 +112,11 @@ class Pipeline:
         preset = self.preset.model_dump(mode="json")
         if L.preset_file.is_file():
             # The same preset with another number of iterations extends (or reruns a prefix of) the
-            # run: every finished stage is a cache hit. Anything else is another run.
+            # run: every finished stage is a cache hit; where metrics go changes no result either.
+            # Anything else is another run.
             before = yaml.safe_load(L.preset_file.read_text()) or {}
-            if {**before, "iterations": None} != {**preset, "iterations": None}:
-                changed = sorted(k for k in {*before, *preset} if k != "iterations" and before.get(k) != preset.get(k))
+            changed = sorted(k for k in {*before, *preset} - _NOT_THE_RUN if before.get(k) != preset.get(k))
+            if changed:
                 raise ConfigError(
                     f"{L.root} holds a run of a different preset ({L.preset_file} differs in {', '.join(changed)}); "
                     f"pass another run directory (--run-dir DIR) or delete {L.root} to start over"
@@ -151,6 +154,10 @@ class Pipeline:
     def _last_eval(self) -> Path | None:
         evals = [d / "eval" for _, d in iteration_dirs(self.layout.root) if (d / "eval").exists()]
         return evals[-1] if evals else self.layout.initial_eval()
+
+
+#: Preset keys that do not change what a run computes: a finished run reruns with new values.
+_NOT_THE_RUN = {"iterations", "loggers", "description"}
 
 
 def _relative_paths(config: StageConfig, folder: Path) -> dict:
