@@ -14,9 +14,14 @@ architecture (GPT-2, GPT-NeoX, OPT and Bloom have no token-classification class 
 On disk, one Hugging Face directory:
 
     config.json               the backbone's config (architectures: ["LlamaModel"], ...) plus
-                              "rlpipe_scalar_head": {"kind": "critic" | "reward", "hidden_size": H}
+                              "rlpipe_scalar_head": {"kind": "critic" | "reward", "hidden_size": H,
+                                                     "bias": true | false}
     model.safetensors         the backbone in Hugging Face format (`AutoModel.from_pretrained` reads it)
-    scalar_head.safetensors   the head: {"weight": (1, H), "bias": (1,)}
+    scalar_head.safetensors   the head: {"weight": (1, H)} (+ "bias": (1,))
+
+Reward heads have no bias (as `*ForSequenceClassification` and OpenRLHF): the Bradley-Terry loss
+depends on reward differences only, so a bias would get a zero gradient that Adam turns into
+noise-driven steps. Critic heads have one (a value baseline).
     tokenizer files
 
 Older checkpoints load unchanged: a 1-label `*ForSequenceClassification` (reward models written
@@ -63,7 +68,7 @@ class ScalarHeadModel(nn.Module):
             raise ScalarHeadCheckpointError(f"config has no valid {MARKER!r} entry: {spec!r}")
         self.config = config
         self.backbone = backbone if backbone is not None else AutoModel.from_config(config)
-        self.head = nn.Linear(int(spec["hidden_size"]), 1)
+        self.head = nn.Linear(int(spec["hidden_size"]), 1, bias=bool(spec.get("bias", True)))
 
     @property
     def kind(self) -> HeadKind:
@@ -121,21 +126,24 @@ def backbone_of(causal_lm: nn.Module) -> tuple[nn.Module, int]:
 
 
 def wrap(backbone: nn.Module, hidden_size: int, kind: HeadKind, *, init: HeadInit = "zero", seed: int = 0,
-         weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> ScalarHeadModel:
+         weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+         has_bias: bool | None = None) -> ScalarHeadModel:
     """A ScalarHeadModel around `backbone` (used as is: copy it first if it is shared).
 
-    The head is `weight` / `bias` when given (bias 0 when only `weight` is), else initialised:
-    'zero' (output 0 everywhere) or 'normal' (weight ~ N(0, 1 / (H + 1)^2), bias 0, as OpenRLHF),
-    seeded by `seed`.
+    The head is `weight` / `bias` when given, else initialised: 'zero' (output 0 everywhere) or
+    'normal' (weight ~ N(0, 1 / (H + 1)^2), bias 0, as OpenRLHF), seeded by `seed`. It has a bias
+    when `has_bias` (default: a critic's does, a reward model's does not).
     """
+    has_bias = (kind == "critic" if weight is None else bias is not None) if has_bias is None else has_bias
     config = backbone.config
-    setattr(config, MARKER, {"kind": kind, "hidden_size": int(hidden_size)})
+    setattr(config, MARKER, {"kind": kind, "hidden_size": int(hidden_size), "bias": has_bias})
     model = ScalarHeadModel(config, backbone)
     with torch.no_grad():
-        model.head.bias.zero_()
+        if model.head.bias is not None:
+            model.head.bias.zero_()
         if weight is not None:
             model.head.weight.copy_(weight.reshape(1, hidden_size))
-            if bias is not None:
+            if bias is not None and model.head.bias is not None:
                 model.head.bias.copy_(bias.reshape(1))
         elif init == "zero":
             model.head.weight.zero_()
