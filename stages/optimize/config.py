@@ -93,8 +93,8 @@ class OptimizeConfig(StageConfig):
     """Optional `reference` artifact with per-token reference log-probs (used instead of the
     advantages' `ref_logprobs` column when given)."""
     critic: Annotated[Path | None, Input("checkpoint")] = None
-    """Critic checkpoint (PPO); a causal LM or token-classification checkpoint, loaded as
-    AutoModelForTokenClassification with one label. None: no critic is trained."""
+    """Critic checkpoint (PPO): a critic (critic_init stage) or reward-model checkpoint, or a causal
+    LM whose backbone gets a new scalar head (scalar_head.py). None: no critic is trained."""
     output: Annotated[Path, Output("checkpoint")]
     """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
     critic_output: Annotated[Path | None, Output("checkpoint")] = None

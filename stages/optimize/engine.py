@@ -38,8 +38,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
         if isinstance(model.config.to_dict().get(key), float):
             setattr(model.config, key, 0.0)
     for module in model.modules():
-        if isinstance(vars(module).get("attention_dropout"), float):
-            module.attention_dropout = 0.0
+        # Functional dropout rates kept on modules: Llama-style `attention_dropout`, OPT's `dropout`
+        # and `layerdrop` (its decoder layers call F.dropout(p=self.dropout), no nn.Dropout).
+        for key in ("attention_dropout", "dropout", "layerdrop"):
+            if isinstance(vars(module).get(key), float):
+                setattr(module, key, 0.0)
 
 
 def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],

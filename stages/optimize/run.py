@@ -124,18 +124,14 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
 
 
 def _load_critic(path: Path, seed: int) -> torch.nn.Module:
-    """A token-classification value model (one label); a new head is initialised from `seed`."""
-    from transformers import AutoModelForTokenClassification
+    """A trainable `ScalarHeadModel` critic (any architecture): a critic / reward checkpoint as
+    saved, or a causal LM's backbone with a new head initialised N(0, 1 / (H + 1)^2) from `seed`."""
     from transformers.utils import logging as hf_logging
 
+    from rlpipe.stages.common.scalar_head import load_scalar_head_model
+
     hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "newly initialized score head" report is expected here
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    hf_logging.set_verbosity(verbosity)
-    return model
+    return load_scalar_head_model(path, "critic", new_head="normal", seed=seed)
 
 
 def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_id: int,

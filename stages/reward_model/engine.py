@@ -7,7 +7,6 @@ held-out set (so ZeRO-3's collective parameter gathers stay in step).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,42 +20,29 @@ from rlpipe.stages.reward_model.loss import bradley_terry_loss
 from rlpipe.stages.reward_model.modeling import (
     RewardCheckpointError,
     RewardModule,
-    num_labels,
     right_pad,
 )
 
 
 def load_base(path: Path, seed: int):
-    """(model, tokenizer): a 1-label sequence-classification model built from `path`.
+    """(model, tokenizer): a reward `ScalarHeadModel` built from `path`, any architecture.
 
-    A causal-LM checkpoint gets a fresh `score` head (initialised under `seed`); a
-    sequence-classification checkpoint must already have exactly one label.
+    A causal-LM checkpoint gets a fresh head (N(0, 1 / (H + 1)^2), seeded by `seed`); a reward
+    checkpoint (rlpipe scalar head, or a 1-label sequence-classification model) keeps its head.
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from rlpipe.stages.common.scalar_head import ScalarHeadCheckpointError, load_scalar_head_model
+    from rlpipe.stages.common.tiny import load_tokenizer
 
     if not (path / "config.json").is_file():
         raise RewardCheckpointError(f"base checkpoint {path} does not exist or has no config.json")
-    cfg = json.loads((path / "config.json").read_text())
-    archs = cfg.get("architectures") or []
-    if any(a.endswith("ForSequenceClassification") for a in archs) and num_labels(cfg) != 1:
-        raise RewardCheckpointError(f"base checkpoint {path} has a {num_labels(cfg)}-label head, not 1")
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is expected here
     hf_logging.disable_progress_bar()
     try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    if not isinstance(getattr(model, "score", None), torch.nn.Module):
-        raise RewardCheckpointError(f"{type(model).__name__} from {path} has no `score` head")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+        model = load_scalar_head_model(path, "reward", new_head="normal", seed=seed)
+    except ScalarHeadCheckpointError as e:
+        raise RewardCheckpointError(f"base checkpoint: {e}") from None
+    return model, load_tokenizer(path)
 
 
 @dataclass

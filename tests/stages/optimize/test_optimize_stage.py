@@ -124,8 +124,11 @@ def test_ppo_critic_value_loss_decreases(tmp_path, tiny_tokenizer, tiny_policy_d
     assert losses[-1] < 0.5 * losses[0], losses
     assert m[8]["explained_variance"] > m[1]["explained_variance"]
     assert validate_artifact(cfg.critic_output) == []
-    critic, _ = load_model(cfg.critic_output, "critic")
-    assert critic.config.num_labels == 1
+    trained, _ = load_model(cfg.critic_output, "critic")  # the copy the stage kept in memory
+    critic, _ = load_model(cfg.critic_output, "critic", cache=False)  # what the files hold
+    assert type(critic).__name__ == "ScalarHeadModel" and critic.kind == "critic"
+    assert trained.state_dict().keys() == critic.state_dict().keys()
+    assert all(torch.equal(v, critic.state_dict()[k]) for k, v in trained.state_dict().items())
 
 
 def test_bad_inputs_are_named(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):

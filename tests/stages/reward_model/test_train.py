@@ -47,6 +47,12 @@ def _config(prefs, base, out, **kw):
     return RewardModelConfig(**{**defaults, **kw})
 
 
+def _weights(checkpoint):
+    """Backbone and head tensors of a reward checkpoint (model.safetensors + scalar_head.safetensors)."""
+    head = {f"head.{k}": v for k, v in load_file(checkpoint / "scalar_head.safetensors").items()}
+    return load_file(checkpoint / "model.safetensors") | head
+
+
 def test_learns_synthetic_preferences(prefs, tiny_policy_dir, tmp_path, monkeypatch):
     cfg = _config(prefs, tiny_policy_dir, tmp_path / "rm")
     manifest = run(cfg)
@@ -83,12 +89,11 @@ def test_zero3_matches_zero0_and_reruns_are_identical(small_prefs, tiny_policy_d
     z0_again = run(_config(small_prefs, tiny_policy_dir, tmp_path / "z0", **small), force=True)
     assert z0_again.content_hash == z0.content_hash  # same seed + inputs -> same bytes
     run(_config(small_prefs, tiny_policy_dir, tmp_path / "z3", zero_stage=3, **small))
-    w0 = load_file(tmp_path / "z0" / "model.safetensors")
-    w3 = load_file(tmp_path / "z3" / "model.safetensors")
+    w0, w3 = _weights(tmp_path / "z0"), _weights(tmp_path / "z3")
     assert w0.keys() == w3.keys()
     base = load_file(tiny_policy_dir / "model.safetensors")
-    emb = "model.embed_tokens.weight"
-    assert not torch.allclose(w0[emb], base[emb])  # it trained
+    emb = "embed_tokens.weight"  # the reward model's backbone is saved on its own (scalar_head.py)
+    assert not torch.allclose(w0[emb], base["model." + emb])  # it trained
     for k in w0:
         torch.testing.assert_close(w3[k], w0[k], atol=1e-5, rtol=1e-4)
 
@@ -99,12 +104,12 @@ def test_cli_and_bad_inputs(prefs, small_prefs, tiny_policy_dir, tiny_reward_dir
     assert main([f"preferences={prefs}", f"base={tiny_policy_dir}", "zero_stage=4"]) == 2  # invalid config
     with pytest.raises(UserError, match="base: .*missing does not exist"):
         run(_config(prefs, tmp_path / "missing", tmp_path / "o"))
-    # a 1-label sequence-classification base is accepted as is (its head is kept)
+    # a reward-model base is accepted as is (its head is kept)
     cfg = _config(small_prefs, tiny_reward_dir, tmp_path / "from_rm", epochs=1, eval_fraction=0.1, lr=1e-9)
     run(cfg)
     assert read_manifest(cfg.output).inputs["base"].path == str(tiny_reward_dir)
-    w = load_file(cfg.output / "model.safetensors")["score.weight"]
-    torch.testing.assert_close(w, load_file(tiny_reward_dir / "model.safetensors")["score.weight"], atol=1e-6, rtol=0)
+    w = load_file(cfg.output / "scalar_head.safetensors")["weight"]
+    torch.testing.assert_close(w, load_file(tiny_reward_dir / "scalar_head.safetensors")["weight"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
@@ -131,7 +136,7 @@ def test_two_ranks_match_one(small_prefs, tiny_policy_dir, tmp_path):
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     assert read_manifest(two.output).extra["world_size"] == 2 and one.extra["world_size"] == 1
-    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     # gradients agree to ~1e-7 (reduction order); Adam's m / sqrt(v) can magnify that on the few
     # embedding rows whose gradients are themselves ~1e-6, hence 1e-4 on 4 steps at lr 1e-3
     for k in w1:
