@@ -124,6 +124,7 @@ def test_cli_and_bad_inputs(prefs, small_prefs, tiny_policy_dir, tiny_reward_dir
     torch.testing.assert_close(w, load_file(tiny_reward_dir / "model.safetensors")["score.weight"], atol=1e-6, rtol=0)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_ranks_match_one(small_prefs, tiny_policy_dir, tmp_path):
     """torchrun, 2 CPU ranks x 4 pairs == 1 rank x 8 pairs (32 training pairs: 4 full steps)."""

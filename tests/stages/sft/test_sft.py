@@ -104,6 +104,7 @@ def test_cli_help_and_print_config(tmp_path, capsys):
     assert main(["base=x", "prompts=y", "output=z", "zero_stage=5"]) == 2
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(data, tmp_path):
     """torchrun --nproc_per_node 2 (gloo, CPU): each rank takes half of every batch; the loss is
