@@ -80,7 +80,7 @@ def test_cli_prints_and_rejects(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# A real one-node Slurm cluster (RECIPES.md): munge + slurmctld + slurmd in a temporary state dir.
+# A real one-node Slurm cluster: munge + slurmctld + slurmd in a temporary state dir.
 # ------------------------------------------------------------------------------------------------
 SLURM_CONF = """\
 ClusterName=rlpipe-test

@@ -53,7 +53,7 @@ def test_grpo_end_to_end_golden_counts_order_and_cache(tmp_path, artifacts):
     table = read_table_artifact(tmp_path / "adv", ADVANTAGES).to_pylist()
     assert [(r["group_id"], r["sample_index"]) for r in table] == [(g, s) for g, s, _, _ in SCORE_ROWS]
     adv = {(r["group_id"], r["sample_index"]): r["advantage"] for r in table}
-    # ALGORITHMS.md worked example (population std): [+1.265, +0.632, -0.632, -1.265]
+    # worked example (population std): [+1.265, +0.632, -0.632, -1.265]
     assert [adv[(5, s)] for s in range(4)] == pytest.approx([1.265, 0.632, -0.632, -1.265], abs=5e-4)
     # group 1: r = [0, 1, 1], mean 2/3, population std sqrt(2) / 3
     assert [adv[(1, s)] for s in range(3)] == pytest.approx([-math.sqrt(2), 1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-5)
@@ -101,7 +101,7 @@ def test_kl_in_reward_gae_end_to_end(tmp_path, artifacts):
     manifest = run(AdvantageConfig(**base, kl={"in_reward": True, "beta": 6.0, "controller": "adaptive",
                                              "target": 0.01, "horizon": 100}))
     rows = {(r["group_id"], r["sample_index"]): r for r in read_table_artifact(tmp_path / "adv").to_pylist()}
-    r51 = rows[(5, 1)]  # ALGORITHMS.md worked example: R_RM = 0.8, KL = 0.05, beta = 6 -> 0.5
+    r51 = rows[(5, 1)]  # worked example: R_RM = 0.8, KL = 0.05, beta = 6 -> 0.5
     assert r51["kl"] == pytest.approx([0.05], abs=1e-6)
     assert r51["returns"] == pytest.approx([0.5], abs=1e-6)
     r5 = rows[(5, 0)]
