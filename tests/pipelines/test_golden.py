@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
 import yaml
 
 from rlpipe.pipelines.preset import load_preset
@@ -95,7 +94,9 @@ def _optimize_steps(path) -> dict[int, dict[str, float]]:
     return out
 
 
-@pytest.mark.integration
+# Not `integration`: ~3 s inside the suite (alone, 25-35 s on 2 busy cores, nearly all of it the
+# torch/DeepSpeed imports and DeepSpeed's one-off op build that the suite's other tests share), and
+# the refactors it guards are checked by `make test-fast` too.
 def test_tiny_grpo_run_matches_the_golden_numbers(tmp_path):
     preset_file = tmp_path / "golden.yaml"
     preset_file.write_text(yaml.safe_dump(PRESET))
