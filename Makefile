@@ -58,13 +58,13 @@ dev:
 	rm -f $(STAMP)
 	$(MAKE) setup
 
-## test: the whole test suite (what CI runs)
+## test: the whole test suite (what CI runs): everything but the `gpu` tests
 test: setup vllm-env
 	$(PY) -m pytest
 
-## test-fast: skip the tests marked slow
+## test-fast: skip the tests marked slow, integration (end to end, multi-rank) and gpu
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not gpu"
+	$(PY) -m pytest -m "not slow and not integration and not gpu"
 
 lint: setup
 	$(VENV)/bin/ruff check schemas stages pipelines flows cluster tests benchmarks

@@ -17,6 +17,7 @@ def prefect_harness():
         yield
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file, tmp_path):
     from prefect.client.orchestration import get_client

@@ -18,7 +18,6 @@ from rlpipe.stages.score import scorers
 from rlpipe.stages.score.config import Component, ScoreConfig
 from rlpipe.stages.score.run import run
 from rlpipe.stages.score.scorers import ScoreError, register
-from rlpipe.stages.score.verifiers import overlong_penalty
 
 HERE = Path(__file__).parent
 
@@ -55,7 +54,9 @@ def test_scores_every_component(arith_rollouts, tiny_reward_dir, tmp_path):
     assert s["response_length"] == lengths
     assert s["reward__correct"] == [0.0 if i % 3 == 0 else 1.0 for i in range(24)]
     assert s["reward__format"] == [1.0] * 24
-    np.testing.assert_allclose(s["reward__overlong"], overlong_penalty(np.array(lengths), 8, 4))
+    # DAPO overlong, L_max 8, L_buf 4, written out: 0 up to 4 tokens, (4 - L) / 4 up to 8, then -1
+    by_length = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: -0.25, 6: -0.5, 7: -0.75, 8: -1.0, 9: -1.0}
+    assert s["reward__overlong"] == [by_length[n] for n in lengths]
     assert sorted(set(s["reward__overlong"])) == [-1.0, -0.75, -0.5, -0.25, 0.0]  # L = 1..9: all regions
     np.testing.assert_allclose(s["reward__chars"], [0.1 * len(x) for x in r["response"]], rtol=1e-6)
     model, tok = load_model(tiny_reward_dir, "reward")
