@@ -32,7 +32,8 @@ PRESET = {
     "eval_every": 3,
     "data": {"task": {"kind": "arithmetic", "a_range": [0, 9], "b_range": [0, 9], "ops": ["+"],
                       "n_train": 40, "n_heldout": 10}},
-    "model": {"tiny_size": "micro", "reference": True},
+    "base_model": {"size": "micro"},
+    "model": {"reference": True},
     "sft": {"max_steps": 5, "batch_size": 16, "lr": 3.0e-3},
     "rollout": {"group_size": 4, "max_new_tokens": 3},
     "score": {"components": [
