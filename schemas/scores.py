@@ -1,6 +1,6 @@
 """`scores`: the reward of every rollout, total and per component.
 
-R = sum_k w_k * r_k (ALGORITHMS.md section 3). Each component r_k (unweighted) is stored in its own
+R = sum_k w_k * r_k (docs/algorithms.md#rewards). Each component r_k (unweighted) is stored in its own
 `reward__<component>` column; `reward` holds the weighted total.
 """
 

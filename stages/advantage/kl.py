@@ -1,4 +1,4 @@
-"""KL estimators between the policy and the reference, per token (ALGORITHMS.md section 4).
+"""KL estimators between the policy and the reference, per token (docs/algorithms.md#kl-estimators).
 
 With lr = logp - ref_logp = log(pi / pi_ref):
     k1 = lr                          (unbiased, can be negative)
@@ -45,7 +45,7 @@ def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # KL in the reward (PPO style) and the KL coefficient controller
 # ---------------------------------------------------------------------------------------------
 def kl_token_rewards(rewards: torch.Tensor, kl_t: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """Token rewards with the KL penalty in the reward (ALGORITHMS.md section 4, PPO style).
+    """Token rewards with the KL penalty in the reward (docs/algorithms.md#kl-placement, PPO style).
 
     Every response token gets `-beta * kl_t`; the last response token also gets the sequence
     reward R. Padding gets 0. The sum over a response is `R - beta * sum_t kl_t`, so with

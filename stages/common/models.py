@@ -1,6 +1,6 @@
 """Loading Hugging Face checkpoints, with an in-process cache keyed by checkpoint content.
 
-On one machine the local runner keeps models loaded between iterations (DESIGN.md, "files as the
+On one machine the local runner keeps models loaded between iterations (docs/design.md#local-runner, "files as the
 contract, memory as a cache"): a checkpoint is keyed by the content hash in its `_manifest.json`
 (or, for a directory without one, by its files' names, sizes and mtimes), so loading checkpoint X
 is free when X is already in memory and gives exactly what loading from disk gives.

@@ -1,6 +1,6 @@
 """The reference stage: per-token reference log-probs and critic values of saved rollouts.
 
-The one place for the forward passes that come before advantages (ALGORITHMS.md sections 4-5):
+The one place for the forward passes that come before advantages (docs/algorithms.md#kl-estimators, #advantage-estimators):
 - `ref_logprobs[t] = log pi_ref(a_t | prompt, a_<t)` from a frozen causal LM, through the shared
   `teacher_forced_logprobs` (so they equal the trainer's log-probs of the same model exactly);
 - `values[t] = V(prompt, a_<t)`: the critic's head output at position P_b + t - 1 (the state

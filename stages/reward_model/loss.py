@@ -1,4 +1,4 @@
-"""Bradley-Terry reward-model loss (ALGORITHMS.md section 1).
+"""Bradley-Terry reward-model loss (docs/algorithms.md#bradley-terry).
 
 Notation: for B preference pairs, r_c[b] and r_r[b] are the scalar rewards of the chosen and the
 rejected response of pair b (read at the last token of prompt+response), m[b] an optional margin.

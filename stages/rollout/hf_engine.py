@@ -3,7 +3,7 @@
 Instead of `model.generate` it runs its own decode loop over `model(...)`, because it needs
 (a) one random stream per group, so a group's samples do not depend on what else is in the batch,
 and (b) the raw logits of every step, for the behaviour log-probs. (`generate(output_scores=True)`
-would give processed scores: temperature and top-k/top-p applied; see RECIPES.md.)
+would give processed scores: temperature and top-k/top-p applied; see docs/recipes.md#transformers-sampling.)
 
 Left padding: prompts of different lengths are left-padded into one batch; Llama-style rotary
 models then need explicit position ids, `position = cumsum(attention_mask) - 1`, so each real

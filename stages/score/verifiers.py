@@ -1,4 +1,4 @@
-"""Rule-based reward components (ALGORITHMS.md section 3): pure functions on strings and lengths.
+"""Rule-based reward components (docs/algorithms.md#rewards, #overlong): pure functions on strings and lengths.
 
     answer_match   1 if the answer extracted from the response equals the reference, else 0
                    (exact after normalisation, or numeric equivalence)
