@@ -34,6 +34,7 @@ from rlpipe.schemas import (
 )
 from rlpipe.stages.advantage.config import AdvantageConfig
 from rlpipe.stages.advantage.run import run as advantage_run
+from rlpipe.stages.common.cli import stage_main
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.core import PolicyObjective, policy_micro_loss
 from rlpipe.stages.score.config import ScoreConfig
@@ -43,7 +44,7 @@ DOC = Path(__file__).parents[1] / "docs" / "contributing.md"
 TESTS = Path(__file__).parent
 EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```(?:python|yaml)\n(.*?)```", re.S)
 PLUGINS = ("my_estimators", "my_verifiers", "my_losses")
-STAGE_FILES = ("config", "run", "__main__")
+STAGE_FILES = ("config", "run")
 
 
 def examples() -> dict[str, str]:
@@ -157,16 +158,15 @@ def test_loss_plugin_through_the_policy_objective(guide):
 
 @pytest.fixture
 def length_stats(guide, monkeypatch):
-    """The guide's stage loaded as rlpipe.stages.length_stats and registered in STAGES."""
+    """The guide's stage files loaded as rlpipe.stages.length_stats.{config,run}, registered in STAGES."""
     from rlpipe.stages import STAGES, Stage
 
     package = types.ModuleType("rlpipe.stages.length_stats")
     package.__path__ = [str(guide["stages/length_stats/run.py"].parent)]
     monkeypatch.setitem(sys.modules, package.__name__, package)
-    mods = {f: load_file(guide[f"stages/length_stats/{f}.py"], f"{package.__name__}.{f}", monkeypatch)
-            for f in STAGE_FILES}
+    for f in STAGE_FILES:
+        load_file(guide[f"stages/length_stats/{f}.py"], f"{package.__name__}.{f}", monkeypatch)
     monkeypatch.setitem(STAGES, "length_stats", Stage("length_stats", "LengthStatsConfig", "response lengths"))
-    return mods
 
 
 def test_stage_runs_through_the_cli_and_writes_an_artifact(length_stats, builders, tmp_path):
@@ -189,9 +189,9 @@ def test_stage_runs_through_the_cli_and_writes_an_artifact(length_stats, builder
         (0, "response_length_mean", 2.0), (0, "long_fraction", 0.0),
         (1, "response_length_mean", 7.0), (1, "long_fraction", 1.0)]
 
-    # `python -m rlpipe.stages.length_stats`: the same config is a cache hit, nothing rewritten
+    # the same config again (`python -m rlpipe.stages.length_stats` calls stage_main): a cache hit
     written = (out / "_manifest.json").stat().st_mtime_ns
-    assert length_stats["__main__"].main(args) == 0
+    assert stage_main("length_stats", args) == 0
     assert (out / "_manifest.json").stat().st_mtime_ns == written
     # --help lists the config keys with their docstrings
     r = CliRunner().invoke(app, ["stage", "length_stats", "--help"], env={"COLUMNS": "200"})
