@@ -104,7 +104,7 @@ def run(config: SFTConfig, *, force: bool = False) -> Manifest:
             {"run": [config.run] * len(rows), "iteration": [config.iteration] * len(rows),
              "stage": [STAGE] * len(rows), "step": [s for s, _, _ in rows],
              "name": [n for _, n, _ in rows], "value": [v for _, _, v in rows]},
-            stage=STAGE, config=config.resolved(), inputs=inputs,
+            stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
         )
         manifest = commit_directory(config.output, stage=STAGE, config=config.resolved(), inputs=inputs,
                                     cache_key=key, extra=summary, wall_time_s=train_time)
