@@ -76,6 +76,23 @@ class Variant(BaseModel):
         """The variant's knobs (every field but `name`), as keyword arguments of its function."""
         return {k: getattr(self, k) for k in type(self).model_fields if k != "name"}
 
+    @classmethod
+    def check_function(cls, fn: Any, registry: Mapping[str, Any], what: str) -> str:
+        """The variant's name, once `fn` may be registered under it in `registry`: the name is
+        new and `fn`'s keyword-only parameters are exactly the variant's knobs (so the config
+        class is the one list of them)."""
+        import inspect
+
+        name = cls.model_fields["name"].default
+        if name in registry:
+            raise ValueError(f"{what} {name!r} is already registered")
+        knobs = set(cls.model_fields) - {"name"}
+        params = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        if params != knobs:
+            raise TypeError(f"{fn.__qualname__} takes keywords {sorted(params)} but {cls.__name__} "
+                            f"has knobs {sorted(knobs)}")
+        return name
+
 
 def name_shorthand(value: Any) -> Any:
     """Before-validator of a union tagged by `name`: the string `rloo` stands for `{name: rloo}`."""

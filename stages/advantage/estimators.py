@@ -19,7 +19,6 @@ Two layers:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -279,13 +278,7 @@ def register_estimator(config: type):
     name = config.model_fields["name"].default
 
     def wrap(fn: Callable[..., AdvantageOutputs]) -> Callable[..., AdvantageOutputs]:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        knobs = set(config.model_fields) - {"name"}
-        params = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
-        if params != knobs:
-            raise TypeError(f"{fn.__qualname__} takes keywords {sorted(params)} but {config.__name__} "
-                            f"has knobs {sorted(knobs)}")
+        config.check_function(fn, ADVANTAGE_ESTIMATORS, "advantage estimator")
         ADVANTAGE_ESTIMATORS[name] = Estimator(config, fn)
         return fn
 

@@ -29,19 +29,17 @@ from rlpipe.stages.advantage.config import AdvantageConfig
 from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
 from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
 from rlpipe.stages.advantage.stats import advantage_summary
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.common.tables import KEY, align, length_mask, list_array, padded, shard_index
 
 SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
 
 
-def run(config: AdvantageConfig, *, force: bool = False) -> Manifest:
+@opens("advantage")
+def run(config: AdvantageConfig, start: StageStart) -> Manifest:
     """Compute the advantages artifact of `config`; a cache hit returns the existing manifest."""
-    started = time.time()
-    start = begin("advantage", config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
+    started = start.started
 
     # 1. Read: scores shard by shard (their boundaries are the output's), the others joined by key.
     shards = list(iter_shards(config.scores, SCORES, columns=SCORE_COLUMNS))

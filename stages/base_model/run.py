@@ -12,20 +12,18 @@ from pathlib import Path
 
 from rlpipe.schemas import MANIFEST_NAME, Manifest, commit_directory
 from rlpipe.stages.base_model.config import BaseModelConfig
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 
 STAGE = "base_model"
 
 
-def run(config: BaseModelConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: BaseModelConfig, start: StageStart) -> Manifest:
     """Build and save the checkpoint of `config`; a cache hit returns the existing manifest."""
     import transformers
 
     from rlpipe.stages.common.tiny import build_model, save_pretrained, train_tokenizer
 
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     key = start.key
     transformers.utils.logging.disable_progress_bar()
     (config.output / MANIFEST_NAME).unlink(missing_ok=True)

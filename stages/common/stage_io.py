@@ -1,12 +1,13 @@
 """How every stage's run opens: its inputs by content, its cache key, and the cache hit.
 
 Read from the `Input` / `Output` markers of the stage's config, so no stage lists its inputs
-again:
+again. A stage's `run` is written as its work alone and wrapped by `opens`:
 
-    start = begin("advantage", config, force=force)
-    if start.cached is not None:
-        return start.cached
-    ... compute, then write with `inputs=start.inputs, cache_key=start.key`
+    @opens("advantage")
+    def run(config: AdvantageConfig, start: StageStart) -> Manifest:
+        ... compute, then write with `inputs=start.inputs, cache_key=start.key`
+
+which gives the stage's `run(config, *, force=False) -> Manifest`: a cache hit returns at once.
 
 Inputs are checked before any work: a table input must be a complete artifact of the schema its
 marker names, a checkpoint input a Hugging Face directory (a `UserError` naming the field and path
@@ -16,9 +17,11 @@ the inputs' content hashes, so a moved or copied run directory reruns as cache h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+import functools
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from rlpipe.schemas import InputRef, Manifest, cache_key, cached_manifest, read_manifest
 from rlpipe.schemas.atomic import content_sha256
@@ -37,6 +40,10 @@ class StageStart:
     """The cache key of this work."""
     cached: Manifest | None
     """The primary output's manifest when every output already holds this work (else None)."""
+    force: bool = False
+    """Recompute even on a cache hit (passed on to the stages this one runs inside)."""
+    started: float = field(default_factory=time.time)
+    """When the stage started (time.time()), for the manifests' wall time."""
 
 
 def input_refs(config: StageConfig) -> dict[str, InputRef]:
@@ -76,4 +83,24 @@ def begin(stage: str, config: StageConfig, *, force: bool = False,
     cached = None
     if not force and all(cached_manifest(p, key) is not None for p in outputs):
         cached = read_manifest(outputs[0])
-    return StageStart(inputs, key, cached)
+    return StageStart(inputs, key, cached, force)
+
+
+C = TypeVar("C", bound=StageConfig)
+
+
+def opens(stage: str, *, extra_inputs: Callable[[Any], Mapping[str, InputRef]] | None = None,
+          key_config: Callable[[Any], Mapping[str, Any]] | None = None
+          ) -> Callable[[Callable[[C, StageStart], Manifest]], Callable[..., Manifest]]:
+    """Decorator: the work `body(config, start)` of `stage` becomes its `run(config, *, force=False)`,
+    which opens with `begin` (the arguments, given the config, are begin's) and returns a cache hit
+    without calling the body."""
+    def wrap(body: Callable[[C, StageStart], Manifest]) -> Callable[..., Manifest]:
+        @functools.wraps(body)
+        def run(config: C, *, force: bool = False) -> Manifest:
+            start = begin(stage, config, force=force,
+                          extra_inputs=extra_inputs(config) if extra_inputs else None,
+                          key_config=key_config(config) if key_config else None)
+            return start.cached if start.cached is not None else body(config, start)
+        return run
+    return wrap

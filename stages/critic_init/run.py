@@ -17,7 +17,7 @@ from rlpipe.schemas import (
     Manifest,
     commit_directory,
 )
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.critic_init.config import CriticInitConfig
 
 STAGE = "critic_init"
@@ -36,7 +36,8 @@ def critic_from_policy(policy_model, *, head: str = "zero", seed: int = 0):
     return wrap(copy.deepcopy(backbone), hidden, "critic", init=head, seed=seed)  # type: ignore[arg-type]
 
 
-def run(config: CriticInitConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: CriticInitConfig, start: StageStart) -> Manifest:
     """Save a critic initialised from `config.policy` to `config.output` (Hugging Face format, with
     the policy's tokenizer); the checkpoint manifest is written last."""
     from transformers.utils import logging as hf_logging
@@ -44,11 +45,8 @@ def run(config: CriticInitConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.common.tiny import save_pretrained
 
-    started = time.time()
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
+    started = start.started
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(config.policy, "causal")
     critic = critic_from_policy(model, head=config.head, seed=config.seed)

@@ -22,7 +22,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.evaluate.config import EvaluateConfig
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.score.config import AnswerMatchComponent, ScoreConfig
@@ -30,15 +30,13 @@ from rlpipe.stages.score.config import AnswerMatchComponent, ScoreConfig
 STAGE = "evaluate"
 
 
-def run(config: EvaluateConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: EvaluateConfig, start: StageStart) -> Manifest:
     from rlpipe.stages.rollout.run import run as rollout
     from rlpipe.stages.score.run import run as score
 
-    started = time.time()
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
+    started = start.started
 
     rollout_cfg = RolloutConfig(
         checkpoint=config.checkpoint, prompts=config.prompts, output=config.output / "rollouts",
@@ -50,8 +48,8 @@ def run(config: EvaluateConfig, *, force: bool = False) -> Manifest:
         rollouts=rollout_cfg.output, output=config.output / "scores",
         components=[AnswerMatchComponent(name="answer_match", mode=config.match)],
     )
-    rollout(rollout_cfg, force=force)
-    score(score_cfg, force=force)
+    rollout(rollout_cfg, force=start.force)
+    score(score_cfg, force=start.force)
 
     scores = read_table_artifact(score_cfg.output, SCORES,
                                  columns=["reward", "reward__answer_match", "response_length", "finish_reason"])

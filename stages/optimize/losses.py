@@ -18,7 +18,6 @@ same global denominators as the loss.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -58,13 +57,7 @@ def register_policy_loss(config: type) -> Callable[[PolicyLoss], PolicyLoss]:
     name = config.model_fields["name"].default
 
     def deco(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name][1].__qualname__})")
-        knobs = set(config.model_fields) - {"name"}
-        params = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
-        if params != knobs:
-            raise TypeError(f"{fn.__qualname__} takes keywords {sorted(params)} but {config.__name__} "
-                            f"has knobs {sorted(knobs)}")
+        config.check_function(fn, POLICY_LOSSES, "policy loss")
         POLICY_LOSSES[name] = (config, fn)
         return fn
 

@@ -31,7 +31,7 @@ from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.models import load_model, remember
 from rlpipe.stages.common.progress import progress
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, policy_micro_loss, step_slices
 from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
@@ -45,13 +45,11 @@ from rlpipe.stages.optimize.losses import (
 STAGE = "optimize"
 
 
-def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: OptimizeConfig, start: StageStart) -> Manifest:
     """Run the stage; returns the new policy checkpoint's manifest (on every rank)."""
-    started = time.time()
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
+    started = start.started
 
     from rlpipe.stages.common import deepspeed as ds
     from rlpipe.stages.common.distributed import init_distributed

@@ -8,18 +8,16 @@ from rlpipe.schemas import (
     Manifest,
     write_table_artifact,
 )
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.preferences import synthetic
 from rlpipe.stages.preferences.config import PreferencesConfig
 
 STAGE = "preferences"
 
 
-def run(config: PreferencesConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: PreferencesConfig, start: StageStart) -> Manifest:
     """Build the pairs and write them; a cache hit returns the existing manifest."""
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
     if config.kind == "answers":
         table = synthetic.answer_preferences(config.prompts, seed=config.seed)

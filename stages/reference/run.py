@@ -28,7 +28,7 @@ from rlpipe.schemas import (
 from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.common.progress import progress
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.common.tables import KEY, list_array_from_numpy, shard_index
 from rlpipe.stages.reference.config import ReferenceConfig
 
@@ -78,13 +78,11 @@ def _check_vocab(model, prompts: list[list[int]], responses: list[list[int]], wh
                              f"(size {vocab}); were the rollouts made with another tokenizer?")
 
 
-def run(config: ReferenceConfig, *, force: bool = False) -> Manifest:
+@opens("reference")
+def run(config: ReferenceConfig, start: StageStart) -> Manifest:
     """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
-    started = time.time()
-    start = begin("reference", config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
+    started = start.started
 
     device = _device(config.device)
     ref = _load(config.reference_model, "causal", device) if config.reference_model else None

@@ -21,14 +21,13 @@ from rlpipe.schemas import (
     METRICS,
     PREFERENCES,
     Manifest,
-    cached_manifest,
     commit_directory,
     read_manifest,
     read_table_artifact,
     write_table_artifact,
 )
 from rlpipe.schemas.manifest import MANIFEST_NAME
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.reward_model.config import RewardModelConfig
 
 STAGE = "reward_model"
@@ -39,7 +38,8 @@ def metrics_path(config: RewardModelConfig) -> Path:
     return config.metrics_output or config.output.with_name(config.output.name + "_metrics")
 
 
-def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: RewardModelConfig, start: StageStart) -> Manifest:
     """Train the reward model; returns the checkpoint's manifest (cached when nothing changed)."""
     from rlpipe.stages.common.deepspeed import save_pretrained
     from rlpipe.stages.common.distributed import barrier, init_distributed
@@ -47,11 +47,8 @@ def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.reward_model.core import split_pairs
     from rlpipe.stages.reward_model.modeling import encode
 
-    started = time.time()
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None and cached_manifest(metrics_path(config), start.key) is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
+    started = start.started
 
     # Data: every pair, tokenised once; the held-out split by seeded hash of pair_id.
     table = read_table_artifact(config.preferences, PREFERENCES)

@@ -29,7 +29,7 @@ from rlpipe.schemas import (
 )
 from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
 from rlpipe.stages.common.progress import progress
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.rollout.core import (
     chat_turns,
@@ -46,14 +46,15 @@ STAGE = "rollout"
 _PLACEMENT = ("worker_index", "worker_count")
 
 
-def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
-    started = time.time()
-    # N workers splitting the work write what one process writes: the split is not in the key.
-    start = begin(STAGE, config, force=force,
-                  key_config={k: v for k, v in config.cache_dict().items() if k not in _PLACEMENT})
-    if start.cached is not None:
-        return start.cached
+def _work(config: RolloutConfig) -> dict[str, Any]:
+    """What decides the rollouts: N workers splitting the work write what one process writes."""
+    return {k: v for k, v in config.cache_dict().items() if k not in _PLACEMENT}
+
+
+@opens(STAGE, key_config=_work)
+def run(config: RolloutConfig, start: StageStart) -> Manifest:
     inputs, key = start.inputs, start.key
+    started = start.started
 
     prompts = read_table_artifact(config.prompts, PROMPTS).to_pylist()
     if not prompts:

@@ -37,7 +37,7 @@ from rlpipe.schemas import (
 )
 from rlpipe.schemas.manifest import InputRef
 from rlpipe.stages.common.progress import progress
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.core import combine
 from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scorer
@@ -53,14 +53,12 @@ def shard_index(name: str) -> int:
     return int(Path(name).stem.rsplit("-", 1)[1])
 
 
-def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
-    """Score the rollouts (all shards, or this worker's); returns the manifest (or, for one of N
-    workers, an uncommitted manifest describing the shards it wrote)."""
+def _reward_models(config: ScoreConfig) -> dict[str, InputRef]:
+    """The reward-model checkpoints of the components, checked: they enter the key by content."""
     from rlpipe.stages.common.models import checkpoint_key
     from rlpipe.stages.reward_model.modeling import RewardCheckpointError, check_reward_checkpoint
 
-    started = time.time()
-    models = {}  # a reward model's checkpoint enters the key by content, not by path
+    models = {}
     for c in config.components:
         if c.type == "reward_model":
             try:
@@ -68,10 +66,15 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
             except RewardCheckpointError as e:
                 raise ScoreError(c, None, "", str(e)) from None
             models[f"reward_model:{c.name}"] = InputRef(path=str(c.checkpoint), content_hash=checkpoint_key(c.checkpoint))
-    start = begin(STAGE, config, force=force, extra_inputs=models, key_config=config.work_key())
-    if start.cached is not None:
-        return start.cached
+    return models
+
+
+@opens(STAGE, extra_inputs=_reward_models, key_config=ScoreConfig.work_key)
+def run(config: ScoreConfig, start: StageStart) -> Manifest:
+    """Score the rollouts (all shards, or this worker's); returns the manifest (or, for one of N
+    workers, an uncommitted manifest describing the shards it wrote)."""
     inputs, key = start.inputs, start.key
+    started = start.started
 
     extra_columns = [SCORES.families[0].column(c.name, f"{c.type} component, weight {c.weight}")
                      for c in config.components]

@@ -21,13 +21,14 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.sft.config import SFTConfig
 
 STAGE = "sft"
 
 
-def run(config: SFTConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: SFTConfig, start: StageStart) -> Manifest:
     import torch
     import transformers
 
@@ -37,11 +38,8 @@ def run(config: SFTConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.common.progress import progress
     from rlpipe.stages.sft import core
 
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     inputs, key = start.inputs, start.key
-    started = time.time()
+    started = start.started
     transformers.utils.logging.disable_progress_bar()
     dist_info = init_distributed()
     rank, world = dist_info.rank, dist_info.world_size

@@ -7,18 +7,16 @@ complete and writes nothing.
 from __future__ import annotations
 
 from rlpipe.schemas import Manifest, cached_manifest
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.task import arithmetic
 from rlpipe.stages.task.config import TaskConfig
 
 STAGE = "task"
 
 
-def run(config: TaskConfig, *, force: bool = False) -> Manifest:
+@opens(STAGE)
+def run(config: TaskConfig, start: StageStart) -> Manifest:
     """Write the outputs of `config`; returns the training prompts' manifest."""
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
     key, outputs = start.key, config.outputs()
     task = config.to_task()
     splits = arithmetic.split_problems(task, {"train": config.n_train, "heldout": config.n_heldout}, config.seed)
