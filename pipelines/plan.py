@@ -181,10 +181,13 @@ class Plan:
         joined = {"rollouts": rollouts, "reference": reference} if reference is not None else {}
         calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined))
         critic = self.critic(k)
+        # The training state (AdamW moments, fp32 masters, LR schedule) chains iteration k-1 -> k.
         calls.append(self.call("optimize", cfgs, policy=self.policy(k), rollouts=rollouts,
                                advantages=L.stage(k, "advantages"), reference=reference, critic=critic,
                                output=L.stage(k, "policy"), metrics_output=L.stage(k, "metrics"),
-                               critic_output=L.stage(k, "critic") if critic is not None else None, run=L.name))
+                               critic_output=L.stage(k, "critic") if critic is not None else None, run=L.name,
+                               train_state=L.stage(k - 1, "train_state") if k > 0 else None,
+                               train_state_output=L.stage(k, "train_state")))
         if k == p.iterations - 1 or (p.eval_every and (k + 1) % p.eval_every == 0):
             calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
                                    output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
