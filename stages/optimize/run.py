@@ -36,7 +36,13 @@ from rlpipe.stages.common.models import load_model, remember
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.optimize.config import OptimizeConfig
-from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, lr_factor, policy_micro_loss, step_slices
+from rlpipe.stages.optimize.core import (
+    PolicyObjective,
+    epoch_order,
+    lr_factor,
+    policy_micro_loss,
+    step_slices,
+)
 from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
 from rlpipe.stages.optimize.losses import (
     agg_loss,
