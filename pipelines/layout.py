@@ -14,6 +14,7 @@
         configs/<stage>.yaml                        the exact config each stage ran with
         rollouts/ scores/ reference/ advantages/    table artifacts
         policy/ critic/                             checkpoints written by optimize
+        train_state/                                optimize's DeepSpeed state (AdamW, fp32 masters, LR)
         metrics/                                    optimize metrics (long format)
         eval/                                       evaluation after this iteration (every k)
       report/                       curves.png, metrics.md

@@ -179,12 +179,16 @@ class Plan:
             calls.append(self.call("reference", cfgs, rollouts=rollouts, output=reference,
                                    reference_model=self.reference_model(), critic=self.critic(k)))
         joined = {"rollouts": rollouts, "reference": reference} if reference is not None else {}
-        calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined))
+        calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined,
+                               **self._adaptive_kl(k)))
         critic = self.critic(k)
+        # The training state (AdamW moments, fp32 masters, LR schedule) chains iteration k-1 -> k.
         calls.append(self.call("optimize", cfgs, policy=self.policy(k), rollouts=rollouts,
                                advantages=L.stage(k, "advantages"), reference=reference, critic=critic,
                                output=L.stage(k, "policy"), metrics_output=L.stage(k, "metrics"),
-                               critic_output=L.stage(k, "critic") if critic is not None else None, run=L.name))
+                               critic_output=L.stage(k, "critic") if critic is not None else None, run=L.name,
+                               train_state=L.stage(k - 1, "train_state") if k > 0 else None,
+                               train_state_output=L.stage(k, "train_state")))
         if k == p.iterations - 1 or (p.eval_every and (k + 1) % p.eval_every == 0):
             calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
                                    output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
@@ -211,6 +215,24 @@ class Plan:
                 if problem:
                     raise UserError(f"{self.source}: {call.name}.{name}: {problem}")
             written.update(Path(p) for p in call.config.outputs().values())
+
+    def _adaptive_kl(self, k: int) -> dict[str, Any]:
+        """With `advantage.kl.controller: adaptive`, iteration k's `kl.beta` is the `kl_beta_next`
+        iteration k-1's advantage stage wrote into its manifest (so the saved config shows it and a
+        rerun of the stage alone reproduces it); the preset's `kl.beta` starts iteration 0."""
+        kl = dict((self.preset.fragment("advantage") or {}).get("kl") or {})
+        if kl.get("controller") != "adaptive" or k == 0:
+            return {}
+        from rlpipe.schemas import read_manifest
+        from rlpipe.schemas.errors import UserError
+
+        previous = self.layout.stage(k - 1, "advantages")
+        try:
+            beta = read_manifest(previous).extra["kl_beta_next"]
+        except Exception as e:
+            raise UserError(f"advantage.kl.controller adaptive: iteration {k} needs kl_beta_next from {previous}, "
+                            f"which iteration {k - 1} writes (run it first): {e}") from None
+        return {"kl": {**kl, "beta": beta}}
 
     def _score_components(self) -> dict[str, Any]:
         """The score fragment's components, a `checkpoint: reward_model` made the run's reward model."""

@@ -37,6 +37,10 @@ def input_problem(path: Path | str, kind: str) -> str | None:
         data = json.loads(manifest.read_text())
     except (OSError, ValueError) as e:
         return f"{manifest} cannot be read: {e}"
+    if kind == "train_state":  # a checkpoint directory the optimize stage wrote (extra.kind)
+        if (data.get("extra") or {}).get("kind") != "train_state":
+            return f"{path} is not a train_state artifact (written by the optimize stage's train_state_output)"
+        return None
     if data.get("kind") == "checkpoint":
         return f"{path} is a checkpoint, but a {kind!r} artifact is expected here"
     if data.get("schema_name") != kind:

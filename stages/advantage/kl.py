@@ -5,6 +5,12 @@ With lr = logp - ref_logp = log(pi / pi_ref):
     k2 = 0.5 * lr^2                  (biased, low variance)
     k3 = exp(-lr) - 1 + lr           (= pi_ref/pi - log(pi_ref/pi) - 1; unbiased, always >= 0)
 See http://joschu.net/blog/kl-approx.html.
+
+k3 is clamped by default (as verl's `low_var_kl`): the log-ratio to [-K3_LOG_RATIO_BOUND,
+K3_LOG_RATIO_BOUND] = [-20, 20] before the exponential, the value to [0, K3_VALUE_BOUND] = [0, 10].
+Unclamped, one token with lr = -40 contributes e^40 ~ 2e17 to the loss; clamped, at most 10 (and
+no gradient through the clamped token, whose estimate is meaningless anyway). Inside the bounds
+(|lr| < 20 and k3 < 10, i.e. about lr in (-2.4, 11.9)) the clamp changes nothing.
 """
 
 from __future__ import annotations
@@ -25,20 +31,30 @@ def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
-def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+#: k3's clamp bounds: |log-ratio| <= 20 before exp, 0 <= k3 <= 10 after (verl's low_var_kl).
+K3_LOG_RATIO_BOUND = 20.0
+K3_VALUE_BOUND = 10.0
+
+
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: bool = True) -> torch.Tensor:
     lr = logp - ref_logp
+    if clamp:
+        lr = lr.clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        return (torch.exp(-lr) - 1 + lr).clamp(max=K3_VALUE_BOUND)
     return torch.exp(-lr) - 1 + lr
 
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
 
 
-def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token KL estimate `name` (k1 | k2 | k3), same shape as the inputs."""
+def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: bool = True) -> torch.Tensor:
+    """Per-token KL estimate `name` (k1 | k2 | k3), same shape as the inputs; `clamp` bounds k3
+    (see the module docstring; k1 and k2 are never clamped)."""
     try:
-        return KL_ESTIMATORS[name](logp, ref_logp)
+        fn = KL_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown KL estimator {name!r}; known: {sorted(KL_ESTIMATORS)}") from None
+    return fn(logp, ref_logp, clamp=clamp) if name == "k3" else fn(logp, ref_logp)
 
 
 # ---------------------------------------------------------------------------------------------

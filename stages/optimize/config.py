@@ -79,8 +79,9 @@ class OptimizeConfig(StageConfig):
     Reads the rollouts (tokens, rollout log-probs) and advantages artifacts joined on
     (iteration, group_id, sample_index), runs `epochs` passes of shuffled minibatches, and writes the
     new policy (and critic) as Hugging Face checkpoints plus a `metrics` artifact.
-    The optimizer state is reset every run (a fresh AdamW per iteration): the new checkpoint, the
-    artifacts and this config are all a resumed run needs to reproduce the same result.
+    The training state (fp32 master weights, AdamW moments and step counts, LR-scheduler state, the
+    stage's RNG state, the global step) persists between iterations: read from `train_state` when
+    given, written to `train_state_output` (DeepSpeed's own checkpoint; see state.py).
     """
 
     policy: Annotated[Path, Input("checkpoint")]
@@ -97,10 +98,16 @@ class OptimizeConfig(StageConfig):
     LM whose backbone gets a new scalar head (scalar_head.py). None: no critic is trained."""
     output: Annotated[Path, Output("checkpoint")]
     """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
+    train_state: Annotated[Path | None, Input("train_state")] = None
+    """The previous iteration's `train_state` artifact to continue from (optimizer moments, fp32
+    masters, LR schedule, global step); None: a fresh AdamW at global step 0."""
     critic_output: Annotated[Path | None, Output("checkpoint")] = None
     """Where the new critic checkpoint goes; required when `critic` is set."""
     metrics_output: Annotated[Path, Output("metrics")]
     """Where the `metrics` artifact (one row per step and metric) goes."""
+    train_state_output: Annotated[Path | None, Output("train_state")] = None
+    """Where the training state after this stage goes (DeepSpeed checkpoint + manifest); None:
+    not written."""
     run: Annotated[str, Assigned()] = "run"
     """Run name written into the metrics rows."""
 
@@ -113,6 +120,9 @@ class OptimizeConfig(StageConfig):
     """Constant L of seq-mean-token-sum-norm; None: the longest response of the batch."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for KL in the loss (and the logged KL to the reference)."""
+    kl_clamp: bool = True
+    """Clamp the k3 estimate (log-ratio to [-20, 20], value to <= 10; stages/advantage/kl.py):
+    one token far off the reference cannot put e^40 into the loss."""
     kl_beta: float = Field(0.0, ge=0.0)
     """beta of `+ beta * agg(k)`; > 0 needs reference log-probs (advantages or `reference`)."""
     entropy_coef: float = Field(0.0, ge=0.0)
@@ -123,9 +133,24 @@ class OptimizeConfig(StageConfig):
     """eps_v of the clipped value loss; None: plain 0.5 (V - R)^2."""
 
     lr: float = Field(1e-6, gt=0.0)
-    """Policy learning rate (AdamW, constant)."""
+    """Policy peak learning rate (AdamW), scaled per optimizer step by `lr_schedule`."""
     critic_lr: float = Field(1e-5, gt=0.0)
-    """Critic learning rate (AdamW, constant)."""
+    """Critic peak learning rate (AdamW), scaled by the same schedule."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR factor over the whole run, counted in optimizer steps s across iterations (the step count
+    persists in the train state): warm-up (s + 1) / warmup_steps for s < warmup_steps, then
+    constant 1, linear 1 - (1 - m) p or cosine m + (1 - m) (1 + cos(pi p)) / 2 with
+    p = (s - warmup_steps) / (total_steps - warmup_steps) clamped to [0, 1], m = min_lr_ratio."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up at the start of the run (0: none)."""
+    total_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of the whole run (iterations x steps per iteration, where steps per
+    iteration = epochs x rows / minibatch_size); needed by linear and cosine."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """m: the factor linear and cosine decay to at `total_steps`."""
+    state_every: int = Field(1, ge=1, le=1)
+    """Write the train state every N iterations. Only 1 is implemented: every iteration's optimize
+    writes it and the next one continues from it (a resumed run then recomputes nothing)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay (policy and critic)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -143,8 +168,13 @@ class OptimizeConfig(StageConfig):
     kl_target: float | None = Field(None, gt=0.0)
     """Early stop: stop optimising once a step's approx KL to the old policy exceeds this."""
     recompute_old_logprobs: bool = True
-    """Recompute old log-probs with the training model before the first update (so the first
-    ratio is exactly 1); False: use the rollout engine's log-probs."""
+    """Old log-probs from the training model (the optimize input policy, so the first ratio is
+    exactly 1); False: use the rollout engine's log-probs (the rollout policy)."""
+    old_logprobs_forward: Literal["training", "separate"] = "training"
+    """With recompute_old_logprobs: 'training' takes the old log-probs of the first optimizer
+    step's rows from that step's own forward (detached; before any update they are the same
+    numbers) and runs a separate no-grad forward only for the other rows; 'separate' runs it for
+    every row before training."""
 
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage (the template cluster/deepspeed/zero<stage>.json)."""
@@ -159,6 +189,11 @@ class OptimizeConfig(StageConfig):
     def _check(self) -> OptimizeConfig:
         if self.critic is not None and self.critic_output is None:
             raise ValueError("critic is set: set critic_output (where the trained critic goes)")
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs total_steps (optimizer steps of the whole "
+                             "run: iterations x epochs x rows / minibatch_size)")
+        if self.total_steps is not None and self.warmup_steps >= self.total_steps and self.lr_schedule != "constant":
+            raise ValueError(f"warmup_steps {self.warmup_steps} must be < total_steps {self.total_steps}")
         if self.minibatch_size is not None and self.minibatch_size % self.micro_batch_size:
             raise ValueError(
                 f"minibatch_size {self.minibatch_size} is not a multiple of micro_batch_size {self.micro_batch_size}"

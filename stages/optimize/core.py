@@ -5,6 +5,7 @@ No IO, no config objects, no process groups: tensors and integers in, tensors an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ class PolicyObjective:
     kl_estimator: str = "k3"
     kl_beta: float = 0.0
     entropy_coef: float = 0.0
+    kl_clamp: bool = True
+    """Clamp k3 (log-ratio to +-20, value to <= 10; stages/advantage/kl.py)."""
 
 
 def policy_micro_loss(obj: PolicyObjective, logp: torch.Tensor, old_logp: torch.Tensor,
@@ -61,7 +64,7 @@ def policy_micro_loss(obj: PolicyObjective, logp: torch.Tensor, old_logp: torch.
     loss = pg
     stats = {"policy_loss": pg.detach()}
     if ref_logp is not None:
-        k = kl(obj.kl_estimator, logp, ref_logp) * mask
+        k = kl(obj.kl_estimator, logp, ref_logp, clamp=obj.kl_clamp) * mask
         if obj.kl_beta > 0:
             # KL in the loss (GRPO style): + beta * agg(k_x)
             loss = loss + obj.kl_beta * agg(k)
@@ -112,3 +115,27 @@ def step_slices(order: np.ndarray, minibatch_size: int, world_size: int, rank: i
         block = order[start + rank * per_rank: start + (rank + 1) * per_rank]
         steps.append([block[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
     return steps
+
+
+def lr_factor(step: int, schedule: str, *, warmup_steps: int = 0, total_steps: int | None = None,
+              min_lr_ratio: float = 0.0) -> float:
+    """The LR multiplier of optimizer step `step` (0-based, counted over the whole run).
+
+        warm-up (s < W):  (s + 1) / W
+        then, with p = clamp((s - W) / (S - W), 0, 1) and floor m = min_lr_ratio:
+            constant  1
+            linear    1 - (1 - m) p
+            cosine    m + (1 - m) (1 + cos(pi p)) / 2
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if total_steps is None:
+        raise ValueError(f"lr_schedule {schedule!r} needs total_steps")
+    p = min(max((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * p
+    if schedule == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown lr_schedule {schedule!r}; known: constant, linear, cosine")

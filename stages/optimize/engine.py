@@ -1,13 +1,14 @@
 """DeepSpeed side of the optimisation stage: engines, forward passes, steps, collectives.
 
 The process group, the DeepSpeed config and saving are stages/common's (distributed, deepspeed).
-Repeatable in one process: the process group is created once and kept; every `run()` builds fresh
-engines and destroys them at the end.
+Repeatable in one process: the process group is created once and kept; engines are built per
+`run()` or kept warm for the next one (run.py, keyed by the train state they hold).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,8 +47,10 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                config: dict[str, Any], gradient_checkpointing: bool) -> Any:
-    """A DeepSpeed engine around `model` with a fresh torch AdamW (no FusedAdam build on CPU)."""
+                config: dict[str, Any], gradient_checkpointing: bool,
+                lr_lambda: Callable[[int], float] | None = None) -> Any:
+    """A DeepSpeed engine around `model` with a fresh torch AdamW (no FusedAdam build on CPU) and
+    a LambdaLR schedule `lr_lambda` (the engine steps it once per optimizer step)."""
     disable_dropout(model)
     if gradient_checkpointing:
         model.config.use_cache = False
@@ -57,7 +60,7 @@ def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, betas
     def adamw(params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
-    return common_make_engine(model, config, optimizer=adamw)
+    return common_make_engine(model, config, optimizer=adamw, lr_lambda=lr_lambda)
 
 
 def forward_logits(engine: Any, batch: PackedBatch) -> torch.Tensor:

@@ -5,13 +5,16 @@ model (by default), runs seeded shuffled minibatches with gradient accumulation 
 writes the new policy (and critic) checkpoints and a `metrics` artifact. Rank 0 writes; the policy
 checkpoint's manifest is written last, so a complete policy checkpoint means a complete stage.
 
-Optimizer state: a fresh AdamW every run (it is not carried between iterations). The new
-checkpoint, the input artifacts and the config therefore determine a rerun completely: a resumed
-run reproduces the same parameters.
+Training state: AdamW moments, fp32 masters, the LR schedule's position and the global step persist
+between iterations in a `train_state` artifact (state.py): the input state, the input artifacts
+and the config determine a rerun completely, so a resumed run reproduces the same parameters.
+In one process the engines stay warm after writing a state, and the next run that would load
+exactly that state (same content hash, same engine knobs) takes them instead.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,7 +36,13 @@ from rlpipe.stages.common.models import load_model, remember
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.optimize.config import OptimizeConfig
-from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, policy_micro_loss, step_slices
+from rlpipe.stages.optimize.core import (
+    PolicyObjective,
+    epoch_order,
+    lr_factor,
+    policy_micro_loss,
+    step_slices,
+)
 from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
 from rlpipe.stages.optimize.losses import (
     agg_loss,
@@ -67,38 +76,107 @@ def run(config: OptimizeConfig, start: StageStart) -> Manifest:
     dscfg = ds.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
                          world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
 
+    pol, crit, tokenizer, rng = _engines(E, config, dscfg, inputs.get("train_state"))
+    pad_id = tokenizer.pad_token_id
+    timing = {"setup_s": time.time() - started}
+    # The stage's torch RNG is the train state's (seeded on a fresh start), forked so that the
+    # stages around it in one process see the global RNG as if optimize had not run.
+    with torch.random.fork_rng(devices=[]):
+        if rng is None:
+            torch.manual_seed(config.seed)
+        else:
+            torch.set_rng_state(rng)
+        rows, step, stopped = _optimize(E, config, batch, schedules, pol, crit, pad_id, max_len, d.world_size, timing)
+        rng = torch.get_rng_state()
+    rows.append((0, "steps", float(step)))
+    rows.append((0, "early_stopped", float(stopped)))
+
+    return _save(ds, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing, rng)
+
+
+#: The engines of the last optimize run in this process, kept warm for the next iteration:
+#: (train_state content hash, engine knobs) -> (policy engine, critic engine).
+_WARM: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
+def _engine_knobs(config: OptimizeConfig, dscfg: dict[str, Any]) -> str:
+    """Everything an engine is built from besides the state it holds: equal knobs and an equal
+    state mean the warm engine is the one a cold build + load_checkpoint would give."""
+    keys = ("lr", "critic_lr", "weight_decay", "betas", "lr_schedule", "warmup_steps", "total_steps",
+            "min_lr_ratio", "zero_stage", "dtype", "gradient_checkpointing", "seed")
+    knobs = {k: getattr(config, k) for k in keys}
+    return json.dumps({**knobs, "critic": config.critic is not None, "deepspeed": dscfg}, sort_keys=True, default=str)
+
+
+def clear_warm() -> None:
+    """Drop the warm engines (tests; a process that wants its memory back)."""
+    for pol, crit in _WARM.values():
+        for engine in (pol, crit):
+            if engine is not None:
+                engine.destroy()
+    _WARM.clear()
+
+
+def _engines(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: InputRef | None):
+    """(policy engine, critic engine or None, tokenizer, saved RNG state or None): the warm engines
+    when they hold `state`, else fresh engines continued from `state` (DeepSpeed load_checkpoint)."""
+    knobs = _engine_knobs(config, dscfg)
+    warm = _WARM.pop((state.content_hash, knobs), None) if state is not None else None
+    clear_warm()  # engines holding any other state are of no further use
+    if warm is not None:
+        pol, crit, rng = warm[0], warm[1], warm[0].rlpipe_rng_state
+        return pol, crit, load_model(config.policy)[1], rng  # the tokenizer (the policy is cached)
     # Trainable copies: never train a model from the shared in-process cache.
     policy, tokenizer = load_model(config.policy, cache=False)
+
+    def schedule(s: int) -> float:
+        return lr_factor(s, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.total_steps,
+                         min_lr_ratio=config.min_lr_ratio)
+
     pol = E.make_engine(policy, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas,
-                        config=dscfg, gradient_checkpointing=config.gradient_checkpointing)
+                        config=dscfg, gradient_checkpointing=config.gradient_checkpointing, lr_lambda=schedule)
     crit = None
     if config.critic is not None:
         crit = E.make_engine(_load_critic(config.critic, config.seed), lr=config.critic_lr,
                              weight_decay=config.weight_decay, betas=config.betas, config=dscfg,
-                             gradient_checkpointing=config.gradient_checkpointing)
-    pad_id = tokenizer.pad_token_id
+                             gradient_checkpointing=config.gradient_checkpointing, lr_lambda=schedule)
+    pol.rlpipe_knobs = knobs
+    rng = None
+    if state is not None:
+        from rlpipe.stages.optimize.state import load_engines
 
-    # Old log-probs: recomputed with the training engine on exactly the micro-batches of epoch 0
-    # (same packing, no dropout), so the first step's ratio is exactly 1.
-    timing = {"setup_s": time.time() - started}
+        rng = load_engines({"policy": pol, **({"critic": crit} if crit is not None else {})}, Path(state.path))
+    return pol, crit, tokenizer, rng
+
+
+def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol: Any, crit: Any, pad_id: int,
+              max_len: int, world_size: int, timing: dict[str, float]) -> tuple[list, int, bool]:
+    """The epochs of minibatch steps; returns (metric rows, steps taken, early-stopped?)."""
+    # Old log-probs (recompute_old_logprobs): those of the first step's rows come from that step's
+    # own training forward (detached: before the first update the policy is the input policy, so
+    # they are the same numbers a separate forward gives); the other rows' from a no-grad forward
+    # of the input policy now, on exactly the micro-batches of epoch 0 (same packing, no dropout).
     mark = time.perf_counter()
-    if config.recompute_old_logprobs:
-        old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0], pad_id, d.world_size)
-    else:
+    old_logp: dict[int, np.ndarray] = {}
+    if not config.recompute_old_logprobs:
         old_logp = dict(enumerate(batch.rollout_logp))
-    rows = _batch_metrics(batch, old_logp, config.recompute_old_logprobs)
+    else:
+        first = 1 if config.old_logprobs_forward == "training" else 0
+        old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0][first:], pad_id, world_size)
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
     obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
-                          kl_beta=config.kl_beta, entropy_coef=config.entropy_coef)
-    step, stopped = 0, False
+                          kl_beta=config.kl_beta, entropy_coef=config.entropy_coef, kl_clamp=config.kl_clamp)
+    step, stopped, rows = 0, False, []
     total_steps = sum(len(s) for s in schedules)
     mark, trained_tokens = time.perf_counter(), 0.0
-    with progress("optimize", total_steps, enabled=d.rank == 0) as advance:
+    with progress("optimize", total_steps, enabled=torch.distributed.get_rank() == 0) as advance:
         for epoch, steps in enumerate(schedules):
             for micro_batches in steps:
                 step += 1
                 stats = _train_step(E, pol, crit, batch, micro_batches, old_logp, obj, config, pad_id, max_len)
+                if step == 1 and len(old_logp) < len(batch):
+                    old_logp = E.gather_rows(old_logp, world_size)  # every rank's first-step rows
                 stats["epoch"] = float(epoch)
                 rows += [(step, name, value) for name, value in sorted(stats.items())]
                 trained_tokens += stats["tokens"]
@@ -111,14 +189,7 @@ def run(config: OptimizeConfig, start: StageStart) -> Manifest:
     # Timings go to the manifests' `extra` (not the metrics table, whose content hash is reproducible).
     timing["loop_s"] = time.perf_counter() - mark
     timing["tokens_per_s"] = trained_tokens / timing["loop_s"]
-    rows.append((0, "steps", float(step)))
-    rows.append((0, "early_stopped", float(stopped)))
-
-    manifest = _save(ds, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing)
-    pol.destroy()
-    if crit is not None:
-        crit.destroy()
-    return manifest
+    return _batch_metrics(batch, old_logp, config.recompute_old_logprobs) + rows, step, stopped
 
 
 def _load_critic(path: Path, seed: int) -> torch.nn.Module:
@@ -166,11 +237,16 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
     moments = torch.zeros(5, dtype=torch.float64, device=dev)
     world = torch.distributed.get_world_size()
     norms: dict[str, float | None] = {}
+    lr = float(pol.optimizer.param_groups[0]["lr"])  # this step's (the engine steps the schedule after it)
     for rows in micro_batches:
         packed = _pack(E, batch, rows, pad_id)
         T = packed.mask.shape[1]
         logp, entropy = E.policy_forward(pol, packed, entropy_grad=obj.entropy_coef > 0)
-        old = pad_rows(old_logp, rows, T).to(dev)
+        if rows[0] in old_logp:
+            old = pad_rows(old_logp, rows, T).to(dev)
+        else:  # first step, before any update: the old log-probs are this forward's (detached)
+            old = logp.detach().float() * packed.mask
+            old_logp.update({int(i): old[b, : len(batch.response_ids[i])].cpu().numpy() for b, i in enumerate(rows)})
         ref = pad_rows(batch.ref_logp, rows, T).to(dev) if batch.ref_logp is not None else None
         loss, stats = policy_micro_loss(obj, logp, old, pad_rows(batch.advantages, rows, T).to(dev), packed.mask,
                                         token_count=n_tok, seq_count=n_seq, max_len=max_len, ref_logp=ref,
@@ -200,7 +276,7 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
     out = {k: float(v) for k, v in zip(names, totals, strict=False)}
     out["ratio_min"], out["ratio_max"] = float(E.all_reduce(lo, "min")), float(E.all_reduce(hi, "max"))
     out.update({k: float(v) for k, v in norms.items() if v is not None})
-    out["lr"] = float(pol.optimizer.param_groups[0]["lr"])
+    out["lr"] = lr
     out["tokens"] = n_tok
     if crit is not None:
         out["explained_variance"] = explained_variance(E.all_reduce(moments))
@@ -232,15 +308,33 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
 
 def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
           rows: list[tuple[int, str, float]], pol: Any, crit: Any, tokenizer: Any, rank: int,
-          started: float, timing: dict[str, float]) -> Manifest:
-    """Rank 0 writes metrics, then the critic, then the policy (its manifest last)."""
+          started: float, timing: dict[str, float], rng: torch.Tensor) -> Manifest:
+    """Rank 0 writes metrics, then the train state, the critic, then the policy (its manifest
+    last); the engines stay warm when a train state was written (else they are destroyed)."""
     resolved = config.resolved()
+    engines = {"policy": pol, **({"critic": crit} if crit is not None else {})}
     if rank == 0:
         table = {"run": [config.run] * len(rows), "iteration": [batch.iteration] * len(rows),
                  "stage": [STAGE] * len(rows), "step": [r[0] for r in rows], "name": [r[1] for r in rows],
                  "value": [r[2] for r in rows]}
         write_table_artifact(config.metrics_output, METRICS, table, stage=STAGE, config=resolved,
                              inputs=inputs, cache_key=key)
+    if config.train_state_output is not None:
+        from rlpipe.stages.optimize.state import KIND, save_engines
+
+        mark = time.perf_counter()
+        out = Path(config.train_state_output)
+        record = save_engines(engines, out, rank, rng)
+        if rank == 0:
+            commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
+                             extra={"kind": KIND, **record}, wall_time_s=time.time() - started)
+        torch.distributed.barrier()
+        timing["state_save_s"] = time.perf_counter() - mark
+        pol.rlpipe_rng_state = rng
+        _WARM[(read_manifest(out).content_hash, pol.rlpipe_knobs)] = (pol, crit)
+    else:
+        for engine in engines.values():
+            engine.destroy()
     summary = {name: value for step, name, value in rows if step == max(r[0] for r in rows) or step == 0}
     for engine, out, kind in ((crit, config.critic_output, "critic"), (pol, config.output, "causal")):
         if engine is None:

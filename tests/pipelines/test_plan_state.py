@@ -1,0 +1,46 @@
+"""The plan chains the optimizer state and the adaptive KL coefficient from iteration to iteration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlpipe.pipelines.layout import RunLayout
+from rlpipe.pipelines.plan import Plan
+from rlpipe.pipelines.preset import load_preset
+from rlpipe.schemas.errors import UserError
+
+
+def _call(calls, name):
+    return next(c for c in calls if c.name == name)
+
+
+def test_optimize_continues_from_the_previous_iterations_train_state(tmp_path):
+    plan = Plan(load_preset("grpo"), RunLayout(tmp_path / "grpo"))
+    first, second = _call(plan.iteration(0), "optimize").config, _call(plan.iteration(1), "optimize").config
+    assert first.train_state is None
+    assert first.train_state_output == tmp_path / "grpo" / "iter_0000" / "train_state"
+    assert second.train_state == first.train_state_output
+
+
+def test_adaptive_kl_beta_comes_from_the_previous_iterations_manifest(tmp_path):
+    from rlpipe.schemas import ADVANTAGES, write_table_artifact
+
+    preset = load_preset("grpo", ["advantage.kl.controller=adaptive", "advantage.kl.target=6", "advantage.kl.beta=0.05"])
+    plan = Plan(preset, RunLayout(tmp_path / "run"))
+    assert _call(plan.iteration(0), "advantage").config.kl.beta == 0.05
+    with pytest.raises(UserError, match="kl_beta_next"):
+        plan.iteration(1)  # iteration 0 has not written it
+    manifest = write_table_artifact(plan.layout.stage(0, "advantages"), ADVANTAGES,
+                                    {c: [] for c in ADVANTAGES.column_names}, stage="advantage")
+    extra = {**manifest.extra, "kl_beta_next": 0.050064}
+    from rlpipe.schemas.atomic import atomic_write_bytes
+
+    path = Path(plan.layout.stage(0, "advantages")) / "_manifest.json"
+    atomic_write_bytes(path, manifest.model_copy(update={"extra": extra}).model_dump_json().encode())
+    kl = _call(plan.iteration(1), "advantage").config.kl
+    assert (kl.beta, kl.controller, kl.target) == (0.050064, "adaptive", 6.0)
+    # a fixed controller ignores it
+    fixed = Plan(load_preset("grpo", ["advantage.kl.beta=0.05"]), RunLayout(tmp_path / "run"))
+    assert _call(fixed.iteration(1), "advantage").config.kl.beta == 0.05
