@@ -1,20 +1,19 @@
-"""KL estimators between the policy and the reference, per token (ALGORITHMS.md section 4).
+"""KL estimators between the policy and the reference, per token (docs/algorithms.md).
 
 With lr = logp - ref_logp = log(pi / pi_ref):
-    k1 = lr                          (unbiased, can be negative)
-    k2 = 0.5 * lr^2                  (biased, low variance)
-    k3 = exp(-lr) - 1 + lr           (= pi_ref/pi - log(pi_ref/pi) - 1; unbiased, always >= 0)
-See http://joschu.net/blog/kl-approx.html.
+    k1  = lr                         (unbiased, can be negative)
+    k2  = 0.5 * lr^2                 (biased, low variance)
+    k3  = exp(-lr) - 1 + lr          (= pi_ref/pi - log(pi_ref/pi) - 1; unbiased, always >= 0)
+    abs = |lr|                       (biased, >= 0; a penalty on the size of the log-ratio)
+    k3+ = k3 in value, k2 in gradient (straight-through: d k3+/d logp = lr)
+See http://joschu.net/blog/kl-approx.html. The names are listed once, `KLEstimator` (config.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-
-KLEstimator = Literal["k1", "k2", "k3"]
 
 
 def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -30,11 +29,31 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(-lr) - 1 + lr
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
+def abs_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return (logp - ref_logp).abs()
+
+
+def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3's value with k2's gradient (a straight-through estimator).
+
+        value    = k2 + (k3 - k2) = k3                      (the detached term adds the difference)
+        gradient = d k2 / d logp  = lr = logp - ref_logp
+
+    k3's own gradient, 1 - exp(-lr), is the gradient of KL(pi_ref || pi) (the reverse direction)
+    and grows exponentially for lr << 0; k2's gradient, lr, is that of KL(pi || pi_ref) to first
+    order and linear in lr. k3+ keeps k3 as the logged, unbiased value while following k2's
+    gradient (as verl's "low_var_kl+" / "k3+").
+    """
+    two = k2(logp, ref_logp)
+    return two + (k3(logp, ref_logp) - two).detach()
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": k1, "k2": k2, "k3": k3, "abs": abs_kl, "k3+": k3_plus}
 
 
 def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token KL estimate `name` (k1 | k2 | k3), same shape as the inputs."""
+    """Per-token KL estimate `name` (k1 | k2 | k3 | abs | k3+), same shape as the inputs."""
     try:
         return KL_ESTIMATORS[name](logp, ref_logp)
     except KeyError:
@@ -45,7 +64,7 @@ def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # KL in the reward (PPO style) and the KL coefficient controller
 # ---------------------------------------------------------------------------------------------
 def kl_token_rewards(rewards: torch.Tensor, kl_t: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """Token rewards with the KL penalty in the reward (ALGORITHMS.md section 4, PPO style).
+    """Token rewards with the KL penalty in the reward (PPO style; docs/algorithms.md).
 
     Every response token gets `-beta * kl_t`; the last response token also gets the sequence
     reward R. Padding gets 0. The sum over a response is `R - beta * sum_t kl_t`, so with
