@@ -26,6 +26,8 @@ STD_EPS = 1e-6
 class _Estimator(Variant):
     needs_values: ClassVar[bool] = False
     """True when the estimator reads critic values (a reference artifact with `values`)."""
+    needs_baselines: ClassVar[bool] = False
+    """True when the estimator reads the greedy baseline rows (rollout `greedy_baseline: true`)."""
 
 
 class GRPOEstimator(_Estimator):
@@ -80,6 +82,7 @@ class ReMaxEstimator(_Estimator):
     """ReMax (Li et al. 2024): A_i = r_i - r_greedy, the reward of the greedy response to the same
     prompt as the baseline, on every token (needs rollouts made with `greedy_baseline: true`)."""
 
+    needs_baselines: ClassVar[bool] = True
     name: Literal["remax"] = "remax"
     """Estimator name."""
 
