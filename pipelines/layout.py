@@ -13,6 +13,7 @@
       iter_0000/
         configs/<stage>.yaml                        the exact config each stage ran with
         rollouts/ scores/ reference/ advantages/    table artifacts
+        filtered_scores/                            the kept groups' scores (preset `filter:`)
         policy/ critic/                             checkpoints written by optimize
         train_state/                                optimize's DeepSpeed state (AdamW, fp32 masters, LR)
         metrics/                                    optimize metrics (long format)

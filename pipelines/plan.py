@@ -8,7 +8,7 @@ that stage (its knobs) plus the fields the pipeline assigns: the ones the stage 
 `Input`, `Output` or `Assigned` (see `rlpipe.schemas.config`).
 
     set-up:     (import_data | task) -> base_model -> sft -> preferences -> reward_model -> critic_init -> evaluate
-    iteration:  rollout -> score -> (reference) -> advantage -> optimize -> (evaluate)
+    iteration:  rollout -> score -> (filter) -> (reference) -> advantage -> optimize -> (evaluate)
 
 Stages whose inputs the preset supplies itself (its own prompts, base model or reward model) are
 left out. A `data.*` entry naming a data file (JSONL, CSV, Parquet, a `datasets` directory) rather
@@ -167,12 +167,13 @@ class Plan:
         cfgs = L.iteration(k) / "configs"
         rollouts, scores = L.stage(k, "rollouts"), L.stage(k, "scores")
         calls = [
-            # Iteration k samples the next slice of the training prompts (wrapping around).
-            self.call("rollout", cfgs, checkpoint=self.policy(k), prompts=train, output=rollouts, run=L.name,
-                      iteration=k, policy_version=k, num_prompts=p.prompts_per_iteration,
-                      prompt_offset=k * p.prompts_per_iteration),
+            self._rollout(k, cfgs, train, rollouts),
             self.call("score", cfgs, rollouts=rollouts, output=scores, **self._score_components()),
         ]
+        if p.filter is not None:  # dynamic sampling: the advantage stage reads the kept groups' scores
+            calls.append(self.call("filter", cfgs, scores=scores, output=L.stage(k, "filtered_scores"),
+                                   keep_groups=p.prompts_per_iteration))
+            scores = L.stage(k, "filtered_scores")
         reference = None
         if p.model.reference or p.model.critic:
             reference = L.stage(k, "reference")
@@ -193,6 +194,22 @@ class Plan:
             calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
                                    output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
         return calls
+
+    def _rollout(self, k: int, cfgs: Path, train: Path, rollouts: Path) -> StageCall:
+        """Iteration k samples the next slice of the training prompts (wrapping around): the
+        rollout's group_count() groups, prompts_per_iteration of them unless it oversamples."""
+        p, L = self.preset, self.layout
+
+        def call(offset: int) -> StageCall:
+            return self.call("rollout", cfgs, checkpoint=self.policy(k), prompts=train, output=rollouts, run=L.name,
+                             iteration=k, policy_version=k, num_prompts=p.prompts_per_iteration, prompt_offset=offset)
+
+        first = call(0)
+        if first.config.oversample != 1.0 and p.filter is None:
+            raise ConfigError(f"{self.source}: rollout.oversample is {first.config.oversample} but there is no "
+                              "`filter:` section: every oversampled group would be trained on; add `filter: {}` "
+                              "(drop groups whose rewards are all equal) or set rollout.oversample to 1")
+        return call(k * first.config.group_count()) if k else first
 
     def validate(self) -> None:
         """Build every config of the set-up and of the first iteration: bad knobs fail now."""

@@ -99,6 +99,10 @@ class Preset(_Spec):
     reference: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the reference forward-pass step (batch_size, device); runs when the preset uses a
     reference model or a critic."""
+    filter: dict[str, Any] | None = None
+    """Dynamic sampling (stage `filter`, between score and advantage): knobs `drop` (the group
+    predicate, default all_equal) and `shortfall`; it keeps prompts_per_iteration groups of the
+    rollout's ceil(prompts_per_iteration * rollout.oversample). None: no filter."""
     advantage: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the advantage stage (estimator, std, scale, kl, gamma, lam)."""
     optimize: dict[str, Any] = Field(default_factory=dict)

@@ -5,6 +5,12 @@ generated tokens, EOS included when the response stopped on it). All samples of 
 (`group_id`) live in the same shard; rows are ordered by (group_id, sample_index) within a shard.
 Written by `rlpipe.stages.rollout` (engines 'transformers' and 'vllm'); the stop strings and stop
 token ids used are in the manifest's `config` (`stop`, `stop_token_ids`).
+
+Greedy baseline rows: a rollout with `greedy_baseline: true` also writes, first in every group, the
+greedy (temperature 0) response to the group's prompt, with `sample_index` = GREEDY_SAMPLE_INDEX
+(-1) and temperature 0 in `sampling`. It is not a sample: the score stage scores it like any row,
+the advantage stage uses its reward as the group's baseline (ReMax) and writes no advantage row for
+it, so optimize, which trains on the advantages' rows, never trains on it.
 """
 
 import pyarrow as pa
@@ -20,6 +26,9 @@ SAMPLING = pa.struct(
         pa.field("max_new_tokens", pa.int32()),
     ]
 )
+
+GREEDY_SAMPLE_INDEX = -1
+"""`sample_index` of a group's greedy baseline response (see the module docstring)."""
 
 ROLLOUTS = ArtifactSchema(
     name="rollouts",
@@ -39,7 +48,8 @@ ROLLOUTS = ArtifactSchema(
             pa.int64(),
             "Index of the prompt within this iteration; the G samples of a prompt share it.",
         ),
-        Column("sample_index", pa.int32(), "Index of the sample within its group, 0..G-1."),
+        Column("sample_index", pa.int32(), "Index of the sample within its group, 0..G-1; -1 "
+               "(GREEDY_SAMPLE_INDEX) for the group's greedy baseline response (rollout greedy_baseline)."),
         Column("prompt", pa.string(), "Prompt text as in the prompts artifact (before any chat template; "
                "prompt_token_ids are the tokens the policy saw)."),
         Column("prompt_token_ids", TOKEN_IDS, "Prompt token ids (BOS included if the tokenizer adds it; "

@@ -12,6 +12,9 @@ from rlpipe.schemas.config import ImportRef, Input, Output, StageConfig, Variant
 StdKind = Literal["sample", "population"]
 ScaleKind = Literal["group", "batch", "none"]
 
+KLEstimator = Literal["k1", "k2", "k3", "abs", "k3+"]
+"""The per-token KL estimators (kl.py): the one list of their names, for every config that picks one."""
+
 STD_EPS = 1e-6
 """eps of `x / (std + eps)`: keeps a division by a (near-)zero standard deviation finite."""
 
@@ -23,6 +26,8 @@ STD_EPS = 1e-6
 class _Estimator(Variant):
     needs_values: ClassVar[bool] = False
     """True when the estimator reads critic values (a reference artifact with `values`)."""
+    needs_baselines: ClassVar[bool] = False
+    """True when the estimator reads the greedy baseline rows (rollout `greedy_baseline: true`)."""
 
 
 class GRPOEstimator(_Estimator):
@@ -61,6 +66,27 @@ class ReinforcePPBaselineEstimator(_Estimator):
     """Added to the batch std before dividing."""
 
 
+class ReinforcePPEstimator(_Estimator):
+    """REINFORCE++ (Hu et al. 2025): discounted token returns G_t = sum_{s >= t} gamma^(s-t) r_s,
+    whitened over all response tokens of the batch."""
+
+    name: Literal["reinforce_pp"] = "reinforce_pp"
+    """Estimator name."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount gamma of the token returns (1: every token gets the sum of the rewards after it)."""
+    eps: float = Field(STD_EPS, gt=0, allow_inf_nan=False)
+    """Added to the batch std before dividing."""
+
+
+class ReMaxEstimator(_Estimator):
+    """ReMax (Li et al. 2024): A_i = r_i - r_greedy, the reward of the greedy response to the same
+    prompt as the baseline, on every token (needs rollouts made with `greedy_baseline: true`)."""
+
+    needs_baselines: ClassVar[bool] = True
+    name: Literal["remax"] = "remax"
+    """Estimator name."""
+
+
 class GAEEstimator(_Estimator):
     """GAE (Schulman et al. 2016) on critic values: A_t = delta_t + gamma * lam * A_{t+1}."""
 
@@ -96,7 +122,8 @@ class CustomEstimator(_Estimator):
 
 
 EstimatorConfig = Annotated[
-    GRPOEstimator | DrGRPOEstimator | RLOOEstimator | ReinforcePPBaselineEstimator | GAEEstimator | CustomEstimator,
+    GRPOEstimator | DrGRPOEstimator | RLOOEstimator | ReinforcePPBaselineEstimator | ReinforcePPEstimator
+    | ReMaxEstimator | GAEEstimator | CustomEstimator,
     Field(discriminator="name"),
     BeforeValidator(name_shorthand),
 ]
@@ -112,8 +139,9 @@ class KLConfig(BaseModel):
     """PPO style: token reward -beta * kl_t, plus R on the last token (needs rollouts + reference)."""
     beta: float = Field(0.05, ge=0, allow_inf_nan=False)
     """KL coefficient of this batch (the PPO preset's 0.05)."""
-    estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator, of the `kl` column and of the reward penalty (k1 for PPO)."""
+    estimator: KLEstimator = "k1"
+    """Per-token KL estimator, of the `kl` column and of the reward penalty (k1 for PPO): k1, k2,
+    k3, abs or k3+ (k3's value; its k2 gradient plays no part here, the reward is not differentiated)."""
     controller: Literal["fixed", "adaptive"] = "fixed"
     """'fixed' keeps beta; 'adaptive' (Ziegler et al. 2019) puts the next beta in extra.kl_beta_next."""
     target: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -141,7 +169,7 @@ class AdvantageConfig(StageConfig):
     """Input reference artifact (reference log-probs and/or critic values); gae needs its values."""
     estimator: EstimatorConfig = GRPOEstimator()
     """Advantage estimator and its knobs, `{name: ..., <knob>: ...}` or a bare name; name: grpo,
-    dr_grpo, rloo, reinforce_pp_baseline, gae, custom (a user function)."""
+    dr_grpo, rloo, reinforce_pp_baseline, reinforce_pp, remax, gae, custom (a user function)."""
     kl: KLConfig = KLConfig()
     """KL estimate and KL-in-reward settings."""
     seed: int = 0

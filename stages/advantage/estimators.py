@@ -7,8 +7,8 @@ loop over groups); GAE is a reverse scan over time, vectorised over the batch. P
 enters a sum, a mean or a std.
 
 Two layers:
-- the math: `grpo`, `dr_grpo`, `rloo`, `reinforce_pp_baseline`, `gae`, `masked_whiten`, with
-  natural signatures (tensors in, tensors out);
+- the math: `grpo`, `dr_grpo`, `rloo`, `reinforce_pp_baseline`, `reinforce_pp`, `remax`, `gae`,
+  `discounted_returns`, `masked_whiten`, with natural signatures (tensors in, tensors out);
 - `ADVANTAGE_ESTIMATORS`: name -> `Estimator` (config variant, adapter). Each adapter
   `fn(inputs: AdvantageInputs, **knobs)` is registered with `@register_estimator(<variant>)`,
   the config class in config.py whose fields are exactly its keyword knobs (checked when
@@ -33,6 +33,8 @@ from rlpipe.stages.advantage.config import (
     GAEEstimator,
     GRPOEstimator,
     ReinforcePPBaselineEstimator,
+    ReinforcePPEstimator,
+    ReMaxEstimator,
     RLOOEstimator,
     ScaleKind,
     StdKind,
@@ -200,6 +202,63 @@ def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, mask: 
     return masked_whiten(centered.unsqueeze(-1) * mask, mask, eps=eps), g.no_signal
 
 
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over each response's real tokens (G after the last one is 0).
+
+    One reverse scan over T, vectorised over the batch; padded positions read as 0 and give 0.
+
+    Shape:
+        token_rewards, mask: (B, T); result: (B, T).
+    """
+    mask = mask.to(token_rewards.dtype)
+    r = token_rewards * mask
+    returns = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running  # G_t = r_t + gamma G_{t+1} (0 through the padding)
+        returns[:, t] = running
+    return returns * mask
+
+
+def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+                 eps: float = STD_EPS) -> torch.Tensor:
+    """REINFORCE++: discounted token returns, whitened over all response tokens of the batch.
+
+        G_t = sum_{s >= t} gamma^(s - t) r_s        A_t = (G_t - mu) / (sigma + eps)
+
+    with mu, sigma the masked mean and sample std of G over the batch (`masked_whiten`). r_t is R
+    on the last token (minus beta * kl_t on every token with KL in the reward), so with gamma = 1
+    and no KL every token of a response gets R before whitening.
+    Hu et al. 2025, https://arxiv.org/abs/2501.03262 (OpenRLHF's `reinforce`).
+
+    Returns:
+        token advantages (B, T), 0 on padding.
+
+    Shape:
+        token_rewards, mask: (B, T).
+    """
+    mask = mask.to(token_rewards.dtype)
+    return masked_whiten(discounted_returns(token_rewards, mask, gamma=gamma), mask, eps=eps)
+
+
+def remax(rewards: torch.Tensor, baselines: torch.Tensor, group_ids: torch.Tensor) -> GroupAdvantages:
+    """ReMax: `A_i = r_i - b_g`, b_g the reward of the greedy response to the prompt of group g.
+
+    Li et al. 2024, https://arxiv.org/abs/2310.10505. No scaling: the greedy baseline is already
+    on the reward's scale. A group is flagged in `no_signal` when every A_i of it is 0 (all its
+    samples scored what the greedy response scored); a group of one sample still has a baseline.
+
+    Shape:
+        rewards, baselines, group_ids: (B,); advantages, no_signal: (B,).
+    """
+    advantages = rewards - baselines
+    index = torch.unique(group_ids, return_inverse=True)[1]
+    n_groups = int(index.max()) + 1 if index.numel() else 0
+    any_signal = torch.zeros(n_groups, dtype=torch.bool, device=rewards.device)
+    any_signal = any_signal.scatter_reduce(0, index, advantages != 0, "amax", include_self=True)
+    return GroupAdvantages(advantages, ~any_signal[index])
+
+
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (before whitening).
@@ -222,12 +281,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *
     r = token_rewards * mask
     next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)  # V_{t+1}; 0 after the end
     delta = (r + gamma * next_v - v) * mask  # delta_t
-    advantages = torch.zeros_like(v)
-    running = torch.zeros_like(v[:, 0])
-    for t in reversed(range(v.shape[1])):
-        running = delta[:, t] + gamma * lam * running  # A_t = delta_t + gamma lambda A_{t+1}
-        advantages[:, t] = running
-    advantages = advantages * mask
+    advantages = discounted_returns(delta, mask, gamma=gamma * lam)  # A_t = delta_t + gamma lambda A_{t+1}
     return advantages, (advantages + v) * mask  # R_t = A_t + V_t
 
 
@@ -247,6 +301,9 @@ class AdvantageInputs(NamedTuple):
     """(B, T) r_t: R on the last token (minus beta * kl_t on every token with KL in the reward)."""
     values: torch.Tensor | None = None
     """(B, T) critic values V_t, or None without a critic."""
+    baselines: torch.Tensor | None = None
+    """(B,) the reward of the greedy response to each sample's prompt (KL-penalised like `rewards`
+    when KL is in the reward), or None when the rollouts hold no greedy responses."""
 
 
 class AdvantageOutputs(NamedTuple):
@@ -264,8 +321,8 @@ class AdvantageOutputs(NamedTuple):
 class Estimator:
     """A registered estimator: its config variant and its adapter `fn(inputs, **variant.knobs())`."""
 
-    config: type[GRPOEstimator | DrGRPOEstimator | RLOOEstimator | ReinforcePPBaselineEstimator | GAEEstimator
-                  | CustomEstimator]
+    config: type[GRPOEstimator | DrGRPOEstimator | RLOOEstimator | ReinforcePPBaselineEstimator
+                  | ReinforcePPEstimator | ReMaxEstimator | GAEEstimator | CustomEstimator]
     fn: Callable[..., AdvantageOutputs]
 
 
@@ -313,6 +370,19 @@ def _rloo(x: AdvantageInputs) -> AdvantageOutputs:
 def _reinforce_pp_baseline(x: AdvantageInputs, *, eps: float) -> AdvantageOutputs:
     token, no_signal = reinforce_pp_baseline(x.rewards, x.group_ids, x.mask, eps=eps)
     return AdvantageOutputs(token, None, None, no_signal)
+
+
+@register_estimator(ReinforcePPEstimator)
+def _reinforce_pp(x: AdvantageInputs, *, gamma: float, eps: float) -> AdvantageOutputs:
+    return AdvantageOutputs(reinforce_pp(x.token_rewards, x.mask, gamma=gamma, eps=eps), None, None, _no_signal(x))
+
+
+@register_estimator(ReMaxEstimator)
+def _remax(x: AdvantageInputs) -> AdvantageOutputs:
+    if x.baselines is None:
+        raise ValueError("estimator 'remax' needs the greedy response of every prompt as its baseline: "
+                         "sample the rollouts with `greedy_baseline: true`")
+    return _broadcast(remax(x.rewards, x.baselines.to(x.rewards.dtype), x.group_ids), x.mask)
 
 
 @register_estimator(GAEEstimator)

@@ -4,10 +4,12 @@ With lr = logp - ref_logp = log(pi / pi_ref):
     k1 = lr                          (unbiased, can be negative)
     k2 = 0.5 * lr^2                  (biased, low variance)
     k3 = exp(-lr) - 1 + lr           (= pi_ref/pi - log(pi_ref/pi) - 1; unbiased, always >= 0)
-See http://joschu.net/blog/kl-approx.html.
+    abs = |lr|                       (biased, >= 0; a penalty on the size of the log-ratio)
+    k3+ = k3 in value, k2 in gradient (straight-through: d k3+/d logp = lr)
+See http://joschu.net/blog/kl-approx.html. The names are listed once, `KLEstimator` (config.py).
 
-k3 is clamped by default (as verl's `low_var_kl`): the log-ratio to [-K3_LOG_RATIO_BOUND,
-K3_LOG_RATIO_BOUND] = [-20, 20] before the exponential, the value to [0, K3_VALUE_BOUND] = [0, 10].
+k3 (and k3+'s value) is clamped by default (as verl's `low_var_kl`): the log-ratio to
+[-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND] = [-20, 20] before the exponential, the value to [0, K3_VALUE_BOUND] = [0, 10].
 Unclamped, one token with lr = -40 contributes e^40 ~ 2e17 to the loss; clamped, at most 10 (and
 no gradient through the clamped token, whose estimate is meaningless anyway). Inside the bounds
 (|lr| < 20 and k3 < 10, i.e. about lr in (-2.4, 11.9)) the clamp changes nothing.
@@ -16,11 +18,8 @@ no gradient through the clamped token, whose estimate is meaningless anyway). In
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-
-KLEstimator = Literal["k1", "k2", "k3"]
 
 
 def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -44,17 +43,37 @@ def k3(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: bool = True) -> tor
     return torch.exp(-lr) - 1 + lr
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
+def abs_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return (logp - ref_logp).abs()
+
+
+def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: bool = True) -> torch.Tensor:
+    """k3's value with k2's gradient (a straight-through estimator).
+
+        value    = k2 + (k3 - k2) = k3                      (the detached term adds the difference)
+        gradient = d k2 / d logp  = lr = logp - ref_logp
+
+    k3's own gradient, 1 - exp(-lr), is the gradient of KL(pi_ref || pi) (the reverse direction)
+    and grows exponentially for lr << 0; k2's gradient, lr, is that of KL(pi || pi_ref) to first
+    order and linear in lr. k3+ keeps k3 as the logged, unbiased value while following k2's
+    gradient (as verl's "low_var_kl+" / "k3+").
+    """
+    two = k2(logp, ref_logp)
+    return two + (k3(logp, ref_logp, clamp=clamp) - two).detach()
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": k1, "k2": k2, "k3": k3, "abs": abs_kl, "k3+": k3_plus}
 
 
 def kl(name: str, logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: bool = True) -> torch.Tensor:
-    """Per-token KL estimate `name` (k1 | k2 | k3), same shape as the inputs; `clamp` bounds k3
-    (see the module docstring; k1 and k2 are never clamped)."""
+    """Per-token KL estimate `name` (k1 | k2 | k3 | abs | k3+), same shape as the inputs; `clamp` bounds k3 and k3+'s value
+    (see the module docstring; the others are never clamped)."""
     try:
         fn = KL_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown KL estimator {name!r}; known: {sorted(KL_ESTIMATORS)}") from None
-    return fn(logp, ref_logp, clamp=clamp) if name == "k3" else fn(logp, ref_logp)
+    return fn(logp, ref_logp, clamp=clamp) if name in ("k3", "k3+") else fn(logp, ref_logp)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,10 @@ Reads the whole scores artifact (group estimators need every sample of a group; 
 small), joins behaviour log-probs (rollouts) and reference log-probs / critic values (reference)
 by key, applies the KL penalty to the reward when configured, runs the registered estimator, and
 writes one advantages shard per scores shard with the same index and row order.
+
+Greedy baseline rows (sample_index -1, rollout `greedy_baseline: true`) are no samples: their
+(KL-penalised) reward is the baseline of their group (`AdvantageInputs.baselines`, read by remax),
+and they get no advantages row, so optimize never trains on them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from rlpipe.schemas import (
@@ -25,6 +30,7 @@ from rlpipe.schemas import (
     read_table_artifact,
 )
 from rlpipe.schemas.columns import LOGPROBS
+from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.advantage.config import AdvantageConfig
 from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
 from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
@@ -76,8 +82,17 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
         raise ValueError(f"estimator {estimator.name!r}: {config.reference} holds no critic values "
                          "(run the reference step with `critic=`)")
 
-    # 3. Estimate.
-    out = compute_advantages(estimator, AdvantageInputs(seq_rewards, group_ids, mask, token_rewards, values))
+    # 3. Set the greedy baseline rows apart (a baseline per group), then estimate on the samples.
+    greedy = torch.tensor(scores.column("sample_index").to_pylist(), dtype=torch.long) == GREEDY_SAMPLE_INDEX
+    baselines = _group_baselines(seq_rewards, group_ids, greedy, scores, config) if greedy.any() else None
+    if estimator.needs_baselines and baselines is None:
+        raise ValueError(f"estimator {estimator.name!r}: {config.scores} holds no greedy baseline rows "
+                         f"(sample_index {GREEDY_SAMPLE_INDEX}): sample the rollouts with `greedy_baseline: true`")
+    keep = ~greedy
+    rewards, group_ids, mask, seq_rewards, token_rewards = (x[keep] for x in (rewards, group_ids, mask, seq_rewards,
+                                                                              token_rewards))
+    values, ref_logp, kl_t = (x[keep] if x is not None else None for x in (values, ref_logp, kl_t))
+    out = compute_advantages(estimator, AdvantageInputs(seq_rewards, group_ids, mask, token_rewards, values, baselines))
 
     # 4. Write one shard per scores shard, same index and row order.
     knobs = estimator.model_dump(mode="json", exclude={"name"})
@@ -95,6 +110,7 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
                             inputs=inputs, cache_key=key)
     start = 0
     for path, table in shards:
+        table = table.filter(pc.not_equal(table.column("sample_index"), GREEDY_SAMPLE_INDEX))
         n = table.num_rows
         shard = {name: table.column(name) for name in ("run", "iteration", "prompt_id", "group_id", "sample_index")}
         shard["reward"] = table.column("reward")
@@ -106,11 +122,32 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
 
     extra = advantage_summary(rewards, group_ids, mask, out, kl_t)
     extra.update(estimator=estimator.name, kl_beta=config.kl.beta)
+    if baselines is not None:
+        extra.update(greedy_rows=int(greedy.sum()), baseline_reward_mean=float(baselines.mean()) if len(baselines) else 0.0)
     if "kl_seq_mean" in extra:
         extra["kl_beta_next"] = next_kl_beta(config.kl.controller, config.kl.beta, extra["kl_seq_mean"],
                                              target=config.kl.target, n_steps=len(rewards),
                                              horizon=config.kl.horizon)
     return writer.commit(extra=extra, wall_time_s=time.time() - started)
+
+
+def _group_baselines(seq_rewards: torch.Tensor, group_ids: torch.Tensor, greedy: torch.Tensor, scores: pa.Table,
+                     config: AdvantageConfig) -> torch.Tensor:
+    """b_g of every sample: the (KL-penalised) reward of its group's one greedy row.
+
+    Shape:
+        seq_rewards, group_ids, greedy: (B,) over all rows; result: (number of samples,).
+    """
+    n_groups = int(group_ids.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.long).index_add_(0, group_ids[greedy], torch.ones_like(group_ids[greedy]))
+    bad = (count[group_ids] != 1).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        where = {k: scores.column(k)[i].as_py() for k in ("iteration", "group_id")}
+        raise ValueError(f"{config.scores}: group {where} has {int(count[group_ids[i]])} greedy baseline rows "
+                         f"(sample_index {GREEDY_SAMPLE_INDEX}); a rollout with greedy_baseline gives every group one")
+    base = torch.zeros(n_groups, dtype=seq_rewards.dtype).index_add_(0, group_ids[greedy], seq_rewards[greedy])
+    return base[group_ids[~greedy]]
 
 
 def _list_or_null(x: torch.Tensor | None, mask: torch.Tensor) -> pa.Array:

@@ -16,6 +16,7 @@ from rlpipe.schemas.config import (
     Variant,
     name_shorthand,
 )
+from rlpipe.stages.advantage.config import KLEstimator
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,11 +115,11 @@ class OptimizeConfig(StageConfig):
     loss: LossConfig = PPOClipLoss()
     """Policy loss and its knobs, `{name: ..., <knob>: ...}` or a bare name; name: ppo_clip, gspo,
     custom (a user function)."""
-    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens and sequences (denominators are global over ranks and micro-batches)."""
     max_len: int | None = Field(None, ge=1)
     """Constant L of seq-mean-token-sum-norm; None: the longest response of the batch."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """KL estimator for KL in the loss (and the logged KL to the reference)."""
     kl_clamp: bool = True
     """Clamp the k3 estimate (log-ratio to [-20, 20], value to <= 10; stages/advantage/kl.py):

@@ -1,7 +1,10 @@
-"""Reading the optimisation batch: rollouts joined with advantages (and reference log-probs).
+"""Reading the optimisation batch: advantages joined with rollouts (and reference log-probs).
 
-Rows are joined on (iteration, group_id, sample_index) and sorted by that key, so every rank sees
-the same rows in the same order and the seeded schedule picks the same rows on any world size.
+The batch is the advantages' rows: a `filter` stage may have dropped groups before the advantage
+stage, which also writes no row for a greedy baseline response, so the rollouts (and reference)
+may hold more rows; the rows the advantages name are read from them by the join key
+(iteration, group_id, sample_index). Rows are sorted by that key, so every rank sees the same rows
+in the same order and the seeded schedule picks the same rows on any world size.
 """
 
 from __future__ import annotations
@@ -64,36 +67,37 @@ def _floats(column, name: str, path: Path, keys, lengths) -> list[np.ndarray]:
     return out
 
 
-def _align(path: Path, keys: list, want: list) -> list[int]:
-    """Row indices of `keys` (another artifact's rows) in the order of `want` (the rollouts)."""
+def _align(path: Path, keys: list, want: list, advantages: Path) -> list[int]:
+    """Row indices of `keys` (another artifact's rows) in the order of `want` (the advantages'
+    rows); rows of `keys` that the advantages do not name are left out."""
     where = {k: i for i, k in enumerate(keys)}
     if len(where) != len(keys):
         raise ValueError(f"{path}: duplicate keys {KEY}")
     missing = [k for k in want if k not in where]
-    if missing or len(keys) != len(want):
-        extra = sorted(set(where) - set(want))
+    if missing:
         raise ValueError(
-            f"{path}: rows do not match the rollouts on {KEY}: {len(missing)} missing (first "
-            f"{missing[:3]}), {len(extra)} not in the rollouts (first {extra[:3]})"
+            f"{path}: {len(missing)} rows of the advantages {advantages} are missing on {KEY} (first "
+            f"{missing[:3]}): give the artifacts the advantages were computed from"
         )
     return [where[k] for k in want]
 
 
 def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, *,
                need_ref: bool = False, need_values: bool = False) -> Batch:
-    """Join rollouts, advantages (and reference) into one Batch sorted by key.
+    """The advantages' rows joined with their rollouts (and reference) rows, sorted by key.
 
     Raises:
-        ValueError: naming the artifact, row and column, when rows do not join, a per-token list
-            has the wrong length, or a needed column (ref log-probs, values, returns) is null.
+        ValueError: naming the artifact, row and column, when an advantages row has no rollouts
+            (or reference) row, a per-token list has the wrong length, or a needed column (ref
+            log-probs, values, returns) is null.
     """
     ro = read_table_artifact(rollouts, ROLLOUTS)
     adv = read_table_artifact(advantages, ADVANTAGES)
-    ro = ro.take(np.lexsort([np.asarray(ro.column(k)) for k in reversed(KEY)]))
-    keys = _keys(ro)
+    adv = adv.take(np.lexsort([np.asarray(adv.column(k)) for k in reversed(KEY)]))
+    keys = _keys(adv)
     if len(set(keys)) != len(keys):
-        raise ValueError(f"{rollouts}: duplicate keys {KEY}")
-    adv = adv.take(_align(advantages, _keys(adv), keys))
+        raise ValueError(f"{advantages}: duplicate keys {KEY}")
+    ro = ro.take(_align(rollouts, _keys(ro), keys, advantages))
     response_ids = ro.column("response_token_ids").to_pylist()
     lengths = [len(r) for r in response_ids]
 
@@ -109,7 +113,7 @@ def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, 
     ref = None
     if reference is not None:
         rt = read_table_artifact(reference, REFERENCE)
-        rt = rt.take(_align(reference, _keys(rt), keys))
+        rt = rt.take(_align(reference, _keys(rt), keys, advantages))
         ref = per_token(rt, "ref_logprobs", reference, need_ref)
     if ref is None:
         ref = per_token(adv, "ref_logprobs", advantages, need_ref)

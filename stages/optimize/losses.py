@@ -26,8 +26,9 @@ import torch
 from rlpipe.stages.common.cli import import_function
 from rlpipe.stages.optimize.config import CustomLoss, GSPOLoss, LossConfig, PPOClipLoss
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AggMode = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -168,6 +169,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
 
     Modes (N = token count, S = sequence count, T_b = tokens of response b, L = max_len):
         token-mean               sum_{b,t} l m / N                       (default; DAPO)
+        token-sum                sum_{b,t} l m                           (no normalisation)
         seq-mean-token-mean      sum_b [sum_t l m / T_b] / S             (original GRPO)
         seq-mean-token-sum       sum_b [sum_t l m] / S
         seq-mean-token-sum-norm  sum_b [sum_t l m / L] / S               (Dr. GRPO, L constant)
@@ -190,6 +192,8 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     if mode == "token-mean":
         n = m.sum() if global_token_count is None else global_token_count
         return masked.sum() / n
+    if mode == "token-sum":
+        return masked.sum()
     lens = m.sum(-1)
     s = (lens > 0).sum() if global_seq_count is None else global_seq_count
     if mode == "seq-mean-token-mean":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -59,13 +60,20 @@ class RolloutConfig(StageConfig):
     their own (needs the chat template)."""
     seed: int = Field(0, ge=0)
     """Stage seed; group g is sampled with a seed derived from (seed, iteration, g)."""
+    greedy_baseline: bool = False
+    """Also generate the greedy (temperature 0) response to every prompt, written first in its
+    group with sample_index -1 (schemas/rollouts.py): the baseline of the `remax` estimator. It is
+    scored, never trained on."""
+    oversample: float = Field(1.0, ge=1.0, le=100.0, allow_inf_nan=False)
+    """Dynamic sampling: generate ceil(num_prompts * oversample) groups (the next prompts in
+    order), so that a `filter` stage dropping groups can still keep num_prompts of them."""
 
     num_prompts: Annotated[int | None, Assigned()] = Field(None, ge=1)
-    """Groups to generate: prompts taken in artifact order from `prompt_offset`, wrapping around
-    the end (None = every prompt once)."""
+    """Groups to generate (times `oversample`): prompts taken in artifact order from
+    `prompt_offset`, wrapping around the end (None = every prompt once)."""
     prompt_offset: Annotated[int, Assigned()] = Field(0, ge=0)
     """Index of the first prompt taken (modulo the prompt count): a pipeline passes
-    iteration * num_prompts to walk through the prompts across iterations."""
+    iteration * group_count() to walk through the prompts across iterations."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate call (batch rows = batch_size * G); batches never cross a shard."""
     groups_per_shard: int = Field(64, ge=1)
@@ -96,6 +104,15 @@ class RolloutConfig(StageConfig):
             )
         if self.worker_index is None and self.worker_count != 1:
             raise ValueError("worker_count > 1 needs a worker_index (0..worker_count-1) per process")
+        if self.oversample != 1.0 and self.num_prompts is None:
+            raise ValueError("oversample multiplies num_prompts: set num_prompts (None means every prompt once)")
         if self.system_prompt is not None and self.chat_template is False:
             raise ValueError("system_prompt needs the chat template: set chat_template to true or 'auto'")
         return self
+
+    def group_count(self) -> int | None:
+        """Groups generated: ceil(num_prompts * oversample) (None: every prompt once). Rounded to 9
+        decimals first, so that 10 * 1.1 = 11.000000000000002 gives 11 groups, not 12."""
+        if self.num_prompts is None:
+            return None
+        return math.ceil(round(self.num_prompts * self.oversample, 9))

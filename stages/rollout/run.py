@@ -14,6 +14,7 @@ manifest of its own shards (not written; `extra.partial` is true).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from rlpipe.schemas import (
     shard_name,
 )
 from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
+from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.rollout.config import RolloutConfig
@@ -60,7 +62,7 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
     if not prompts:
         raise ValueError(f"prompts artifact {config.prompts} has no rows: nothing to sample")
     _check_prompts(prompts, config.prompts)
-    groups = [prompts[i] for i in select_prompts(len(prompts), config.num_prompts, config.prompt_offset)]
+    groups = [prompts[i] for i in select_prompts(len(prompts), config.group_count(), config.prompt_offset)]
     shards = shard_ranges(len(groups), config.groups_per_shard)
     mine = worker_shards(len(shards), config.worker_index, config.worker_count)
 
@@ -77,6 +79,8 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
         top_k=config.top_k, max_new_tokens=config.max_new_tokens, stop=tuple(config.stop),
         stop_token_ids=tuple(config.stop_token_ids),
     )
+    # ReMax's baseline: one greedy response per prompt (no randomness: the seed plays no part).
+    greedy = replace(params, group_size=1, temperature=0.0, top_p=1.0, top_k=0) if config.greedy_baseline else None
     files, gen_s, n_tokens = [], 0.0, 0
     who = "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
     with progress(f"rollout ({config.engine}){who}: groups", sum(len(shards[k]) for k in mine)) as advance:
@@ -87,10 +91,11 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
                 seeds = [group_seed(config.seed, config.iteration, g) for g in ids]
                 t0 = time.perf_counter()
                 samples = engine.generate([token_ids[g] for g in ids], seeds, params)
+                baselines = engine.generate([token_ids[g] for g in ids], seeds, greedy) if greedy else [[]] * len(ids)
                 gen_s += time.perf_counter() - t0
-                for g, seed, group in zip(ids, seeds, samples, strict=True):
-                    n_tokens += sum(len(s.token_ids) for s in group)
-                    _append_group(rows, config, g, groups[g], token_ids[g], seed, group)
+                for g, seed, group, baseline in zip(ids, seeds, samples, baselines, strict=True):
+                    n_tokens += sum(len(s.token_ids) for s in [*baseline, *group])
+                    _append_group(rows, config, g, groups[g], token_ids[g], seed, group, baseline)
                 advance(len(ids))
             files.append(writer.write_shard(pa.table(rows), index=k))
 
@@ -170,11 +175,14 @@ def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> li
     return out
 
 
-def _append_group(rows: dict[str, list[Any]], config: RolloutConfig, group_id: int,
-                  prompt: dict[str, Any], prompt_ids: list[int], seed: int, group: list[Sample]) -> None:
-    sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
-                "max_new_tokens": config.max_new_tokens}
-    for i, s in enumerate(group):
+def _append_group(rows: dict[str, list[Any]], config: RolloutConfig, group_id: int, prompt: dict[str, Any],
+                  prompt_ids: list[int], seed: int, group: list[Sample], greedy: list[Sample]) -> None:
+    """The group's rows in sample_index order: its greedy baseline (-1) if any, then samples 0..G-1."""
+    sampled = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+               "max_new_tokens": config.max_new_tokens}
+    argmax = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.max_new_tokens}
+    for i, s, sampling in [*((GREEDY_SAMPLE_INDEX, s, argmax) for s in greedy),
+                           *((i, s, sampled) for i, s in enumerate(group))]:
         for col, value in (
             ("run", config.run), ("iteration", config.iteration),
             ("policy_version", config.policy_version), ("prompt_id", prompt["prompt_id"]),
@@ -192,11 +200,13 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    cols = ["group_id", "response_token_ids", "finish_reason"]
+    cols = ["group_id", "sample_index", "response_token_ids", "finish_reason"]
     tables = [pq.read_table(p, columns=cols) for p in sorted(Path(path).glob("part-*.parquet"))]
     if not tables:
         return {"groups": 0, "samples": 0, "response_tokens": 0, "length_fraction": 0.0}
     t = pa.concat_tables(tables)
+    greedy_rows = int(pc.sum(pc.equal(t["sample_index"], GREEDY_SAMPLE_INDEX)).as_py() or 0)
+    t = t.filter(pc.not_equal(t["sample_index"], GREEDY_SAMPLE_INDEX))  # the statistics are the samples'
     lengths = pc.list_value_length(t["response_token_ids"])
     n = t.num_rows
     return {
@@ -205,5 +215,6 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
         "response_tokens": int(pc.sum(lengths).as_py() or 0),
         "response_length_mean": round(float(pc.mean(lengths).as_py() or 0.0), 3),
         "length_fraction": round(float(pc.sum(pc.equal(t["finish_reason"], "length")).as_py()) / n, 4),
+        **({"greedy_rows": greedy_rows} if greedy_rows else {}),
     }
 

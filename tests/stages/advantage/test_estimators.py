@@ -28,7 +28,9 @@ from rlpipe.stages.advantage.estimators import (
     grpo,
     masked_whiten,
     register_estimator,
+    reinforce_pp,
     reinforce_pp_baseline,
+    remax,
     rloo,
 )
 
@@ -83,7 +85,8 @@ def test_rloo_equals_leave_one_out_and_scaled_centering():
                                                  dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.keys() - {"gae", "custom"}))
+# reinforce_pp (token returns) and remax (an outside baseline) have no group statistics: tested below.
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.keys() - {"gae", "custom", "reinforce_pp", "remax"}))
 def test_zero_variance_and_singleton_groups_give_zero_and_are_flagged(name):
     # group 0: all equal (0.1 three times, whose float mean is not exactly 0.1); group 1: one
     # sample; group 2: a real signal.
@@ -99,6 +102,55 @@ def test_zero_variance_and_singleton_groups_give_zero_and_are_flagged(name):
     else:
         assert torch.all(out.token_advantages[:4] == 0) and torch.all(out.advantages[:4] == 0)
         assert torch.all(out.advantages[4:] != 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# REINFORCE++ and ReMax by hand
+# ---------------------------------------------------------------------------------------------
+def test_reinforce_pp_hand_computed_discounted_and_whitened():
+    # Row 0: 3 tokens, R = 1 on the last. Row 1: 2 tokens with token rewards 0.5, -1 (as KL in the
+    # reward would give), then padding holding garbage (123) that must not leak.
+    tr = torch.tensor([[0.0, 0.0, 1.0], [0.5, -1.0, 123.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
+    # gamma = 0.5, G_t = r_t + 0.5 G_{t+1}:
+    #   row 0: G_2 = 1, G_1 = 0 + 0.5 * 1 = 0.5, G_0 = 0 + 0.5 * 0.5 = 0.25
+    #   row 1: G_1 = -1, G_0 = 0.5 + 0.5 * (-1) = 0
+    # Whitening over the 5 real tokens [0.25, 0.5, 1, 0, -1]: mu = 0.75 / 5 = 0.15;
+    #   deviations [0.1, 0.35, 0.85, -0.15, -1.15], squares sum 0.01 + 0.1225 + 0.7225 + 0.0225
+    #   + 1.3225 = 2.2, sample std sqrt(2.2 / 4) = sqrt(0.55) = 0.7416198.
+    #   A = deviations / 0.7416198 = [0.134840, 0.471940, 1.146140, -0.202260, -1.550664]
+    sd = math.sqrt(0.55)
+    expected = torch.tensor([[0.1 / sd, 0.35 / sd, 0.85 / sd], [-0.15 / sd, -1.15 / sd, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(expected[0], torch.tensor([0.134840, 0.471940, 1.146140], dtype=torch.float64),
+                               atol=1e-6, rtol=0)  # the rounded hand values above
+    # eps = 0 (the config asks for > 0; the math function takes any) makes the whitening exact.
+    torch.testing.assert_close(reinforce_pp(tr, mask, gamma=0.5, eps=0.0), expected, atol=1e-12, rtol=0)
+    # gamma = 1: every token of a response carries the sum of the rewards from it on (row 1: -0.5, -1)
+    cfg = estimator("reinforce_pp", gamma=1.0)
+    out = compute_advantages(cfg, AdvantageInputs(torch.zeros(2), torch.arange(2), mask, tr))
+    g1 = [1.0, 1.0, 1.0, -0.5, -1.0]
+    mu, sd1 = statistics.mean(g1), statistics.stdev(g1)
+    torch.testing.assert_close(out.token_advantages[mask.bool()],
+                               torch.tensor([(x - mu) / (sd1 + cfg.eps) for x in g1], dtype=torch.float64))
+    assert out.advantages is None and out.returns is None and not out.no_signal.any()
+
+
+def test_remax_hand_computed_greedy_baseline():
+    # Group 0 (greedy reward 0.5): rewards 1, 0 -> A = 0.5, -0.5.
+    # Group 1 (greedy reward 1): rewards 1, 0.5 -> A = 0, -0.5 (a signal: the second sample is worse).
+    # Group 2 (greedy reward 1): rewards 1, 1 -> A = 0, 0: no signal, flagged.
+    # Group 3 (greedy reward 0, one sample): reward 1 -> A = 1 (a singleton still has a baseline).
+    r = torch.tensor([1.0, 0.0, 1.0, 0.5, 1.0, 1.0, 1.0], dtype=torch.float64)
+    g = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    b = torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    out = remax(r, b, g)
+    torch.testing.assert_close(out.advantages, torch.tensor([0.5, -0.5, 0.0, -0.5, 0.0, 0.0, 1.0], dtype=torch.float64))
+    assert out.no_signal.tolist() == [False, False, False, False, True, True, False]
+    mask = torch.tensor([[1, 1]] * 6 + [[1, 0]], dtype=torch.float64)
+    full = compute_advantages(estimator("remax"), AdvantageInputs(r, g, mask, torch.zeros(7, 2), baselines=b))
+    torch.testing.assert_close(full.token_advantages, out.advantages.unsqueeze(-1) * mask)  # A_i on every token
+    with pytest.raises(ValueError, match="needs the greedy response of every prompt.*greedy_baseline: true"):
+        compute_advantages(estimator("remax"), AdvantageInputs(r, g, mask, torch.zeros(7, 2)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +277,17 @@ def loop_reinforce_pp_baseline(r, g, lengths, tr, v, *, eps):
     return _whiten(centred, eps)
 
 
+def loop_reinforce_pp(r, g, lengths, tr, v, *, gamma, eps):
+    rows = []
+    for b, n in enumerate(lengths):  # G_t = sum_{s >= t} gamma^(s - t) r_s, written as a plain sum
+        rows.append([sum(gamma ** (s - t) * tr[b][s] for s in range(t, n)) for t in range(n)])
+    return _whiten(rows, eps)
+
+
+def loop_remax(r, g, lengths, tr, v, *, baselines):
+    return [[r[i] - baselines[i]] * n for i, n in enumerate(lengths)]  # A_i = r_i - r_greedy
+
+
 def loop_gae(r, g, lengths, tr, v, *, gamma, lam, whiten, eps):
     rows = []
     for b, n in enumerate(lengths):
@@ -244,6 +307,8 @@ LOOP_REFERENCES = {
     "dr_grpo": loop_dr_grpo,
     "rloo": loop_rloo,
     "reinforce_pp_baseline": loop_reinforce_pp_baseline,
+    "reinforce_pp": loop_reinforce_pp,
+    "remax": loop_remax,
     "gae": loop_gae,
 }
 
@@ -252,6 +317,8 @@ KNOB_CASES = {
     "dr_grpo": [{}],
     "rloo": [{}],
     "reinforce_pp_baseline": [{}, dict(eps=1e-3)],
+    "reinforce_pp": [{}, dict(gamma=0.9), dict(gamma=0.0, eps=1e-3)],
+    "remax": [{}],
     "gae": [dict(gamma=1.0, lam=0.95), dict(gamma=0.9, lam=0.7, whiten=False), dict(gamma=0.99, lam=1.0)],
 }
 
@@ -291,14 +358,20 @@ def test_loop_vs_vectorised(name, seed, n_groups):
     r, g, lengths, tr, v = _random_batch(seed, n_groups)
     T = max(lengths)
     mask = _pad([[1.0] * n for n in lengths], T, 0.0)
+    # The greedy reward of each group (remax's baseline): sometimes equal to a sample's reward.
+    rng = random.Random(seed + 1000)
+    greedy = {gid: rng.choice([0.0, 1.0, rng.uniform(-2, 2)]) for gid in sorted(set(g))}
+    baselines = [greedy[gid] for gid in g]
     inputs = AdvantageInputs(torch.tensor(r, dtype=torch.float64), torch.tensor(g), mask,
-                             _pad(tr, T, 123.0), _pad(v, T, -45.0))  # garbage in the padding
+                             _pad(tr, T, 123.0), _pad(v, T, -45.0),  # garbage in the padding
+                             torch.tensor(baselines, dtype=torch.float64))
     for knobs in KNOB_CASES[name]:
         if name == "grpo" and knobs["scale"] == "batch" and len(r) < 2:
             continue
         cfg = estimator(name, **knobs)  # the loop reference gets every knob, defaults included
         out = compute_advantages(cfg, inputs)
-        expected = LOOP_REFERENCES[name](r, g, lengths, tr, v, **cfg.knobs())
+        extra = {"baselines": baselines} if name == "remax" else {}
+        expected = LOOP_REFERENCES[name](r, g, lengths, tr, v, **cfg.knobs(), **extra)
         torch.testing.assert_close(out.token_advantages, _pad(expected, T, 0.0), atol=1e-9, rtol=1e-9,
                                    msg=lambda m, k=knobs: f"{name} {k}: {m}")
         if out.advantages is not None:

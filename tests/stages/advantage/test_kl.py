@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import pytest
 import torch
 
+from rlpipe.stages.advantage.config import KLConfig, KLEstimator
 from rlpipe.stages.advantage.kl import (
     KL_CONTROLLERS,
+    KL_ESTIMATORS,
     adaptive_kl_beta,
     kl,
     kl_token_rewards,
@@ -26,6 +29,44 @@ def test_kl_estimators_golden():
     torch.testing.assert_close(kl("k3", logp, ref), torch.tensor(expected_k3, dtype=torch.float64))
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl("k4", logp, ref)
+
+
+def test_abs_and_k3_plus_golden():
+    logp = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64)
+    ref = torch.tensor([-1.1, -1.5, -0.3], dtype=torch.float64)  # lr = [0.1, -0.5, 0]
+    # abs = |lr|
+    torch.testing.assert_close(kl("abs", logp, ref), torch.tensor([0.1, 0.5, 0.0], dtype=torch.float64))
+    # k3+ has k3's value: exp(-lr) - 1 + lr = [0.0048374, 0.1487213, 0]
+    expected_k3 = [math.exp(-0.1) - 1 + 0.1, math.exp(0.5) - 1 - 0.5, 0.0]
+    torch.testing.assert_close(kl("k3+", logp, ref), torch.tensor(expected_k3, dtype=torch.float64))
+
+
+def test_k3_plus_has_k3_value_and_k2_gradient():
+    # Autograd check on lr spanning both signs and a large negative value, where the gradients of
+    # k3 (1 - exp(-lr): -147.4 at lr = -5) and k2 (lr: -5) differ most.
+    lr = torch.tensor([-5.0, -0.5, 0.0, 0.1, 2.0], dtype=torch.float64)
+    ref = torch.tensor([-1.0, -2.0, -0.5, -3.0, -4.0], dtype=torch.float64)
+    grads = {}
+    for name in ("k2", "k3", "k3+"):
+        logp = (ref + lr).requires_grad_(True)
+        value = kl(name, logp, ref)
+        value.sum().backward()
+        grads[name] = logp.grad
+        if name == "k3+":
+            torch.testing.assert_close(value.detach(), kl("k3", ref + lr, ref), atol=0, rtol=0)
+    torch.testing.assert_close(grads["k3+"], grads["k2"], atol=0, rtol=0)
+    torch.testing.assert_close(grads["k2"], lr)  # d/dlogp 0.5 lr^2 = lr
+    torch.testing.assert_close(grads["k3"], 1 - torch.exp(-lr))  # k3's own gradient differs
+    assert not torch.allclose(grads["k3"], grads["k2"])
+
+
+def test_kl_estimator_names_are_one_list():
+    # The config Literal (advantage and optimize configs) and the registry name the same estimators.
+    from rlpipe.stages.optimize.config import OptimizeConfig
+
+    assert set(get_args(KLEstimator)) == set(KL_ESTIMATORS) == {"k1", "k2", "k3", "abs", "k3+"}
+    assert KLConfig.model_fields["estimator"].annotation is KLEstimator
+    assert OptimizeConfig.model_fields["kl_estimator"].annotation is KLEstimator
 
 
 def test_kl_in_reward_worked_example():

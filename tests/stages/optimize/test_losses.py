@@ -198,6 +198,8 @@ M = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.float32
     [
         # (1+2+3+4+5+6) / 6 tokens
         ("token-mean", 21 / 6),
+        # 1+2+3+4+5+6: the padded 100s never count
+        ("token-sum", 21.0),
         # mean(6/3, 4/1, 11/2) = (2 + 4 + 5.5) / 3
         ("seq-mean-token-mean", (2 + 4 + 5.5) / 3),
         # mean(6, 4, 11)
@@ -210,7 +212,8 @@ def test_agg_modes_hand_computed(mode, expected):
     assert agg_loss(L, M, mode, max_len=8).item() == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm"])
 def test_agg_micro_batches_with_global_counts_sum_to_the_whole(mode):
     g = torch.Generator().manual_seed(1)
     loss = torch.randn(8, 6, generator=g)
@@ -225,6 +228,14 @@ def test_agg_micro_batches_with_global_counts_sum_to_the_whole(mode):
     if mode == "token-mean":
         local = sum(agg_loss(loss[i:i + 2], mask[i:i + 2], mode) for i in range(0, 8, 2)) / 4
         assert local.item() != pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_agg_modes_are_the_configs():
+    from typing import get_args
+
+    from rlpipe.stages.optimize.losses import AGG_MODES, AggMode
+
+    assert AGG_MODES == get_args(AggMode) == get_args(OptimizeConfig.model_fields["agg_mode"].annotation)
 
 
 def test_agg_unknown_mode():

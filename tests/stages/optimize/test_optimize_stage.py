@@ -136,8 +136,8 @@ def test_bad_inputs_are_named(tmp_path, tiny_tokenizer, tiny_policy_dir, build, 
     with pytest.raises(ValueError, match="ref_logprobs"):
         run(make_config(tmp_path, arts, tiny_policy_dir, kl_beta=0.1))
     other = build(tmp_path / "other", tiny_tokenizer, groups=3)
-    with pytest.raises(ValueError, match="do not match the rollouts"):
-        run(make_config(tmp_path, {"rollouts": arts["rollouts"], "advantages": other["advantages"]},
+    with pytest.raises(ValueError, match="rows of the advantages .* are missing"):
+        run(make_config(tmp_path, {"rollouts": other["rollouts"], "advantages": arts["advantages"]},
                             tiny_policy_dir))
     with pytest.raises(ValueError, match="minibatch_size"):
         run(make_config(tmp_path, arts, tiny_policy_dir, minibatch_size=12, micro_batch_size=4))

@@ -1,0 +1,11 @@
+"""`python -m rlpipe.stages.filter [-c FILE] [key=value ...]`: the stage alone on saved artifacts
+(`rlpipe stage filter --help` lists its config keys)."""
+
+import sys
+
+from rlpipe.stages.common.cli import stage_entry
+
+main = stage_entry(__spec__.parent)
+
+if __name__ == "__main__":  # the guard also keeps engine worker processes from re-running it
+    sys.exit(main())
