@@ -24,8 +24,8 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.atomic import sha256_file
-from rlpipe.schemas.examples import example_table
 from rlpipe.schemas.errors import IntegrityError
+from rlpipe.schemas.examples import example_table
 from rlpipe.schemas.manifest import FileInfo, content_hash
 from rlpipe.schemas.reading import read_manifest
 from rlpipe.schemas.verify import known_hash
@@ -180,7 +180,7 @@ def test_writer_rejects_bad_tables(tmp_path):
     bad["response"][2] = None
     with pytest.raises(SchemaMismatch, match="column 'response' is not nullable but has 1 null"):
         w.write_shard(bad, 0)
-    assert not list((tmp_path / "r").iterdir())  # nothing was written
+    assert not (tmp_path / "r").exists() and not list(w.staging.iterdir())  # nothing was written
 
 
 # -- verified reads: every read checks what the manifest promises -----------------------------
