@@ -165,14 +165,26 @@ def run(
     except ConfigError as e:
         raise _fail(str(e), 2) from None
     _quiet_libraries()
-    if local:
-        from rlpipe.pipelines.runner import Pipeline
+    from rlpipe.pipelines.lock import RunLocked
+    from rlpipe.schemas.staging import discard_open_staging
+    from rlpipe.stages.common.cli import user_errors
+    from rlpipe.stages.common.interrupt import exit_on_signals
 
-        Pipeline(spec, run_dir).run()
-    else:
-        from rlpipe.flows.run_flow import run_flow
+    with exit_on_signals(f"run {spec.name}"):
+        try:
+            if local:
+                from rlpipe.pipelines.runner import Pipeline
 
-        run_flow(spec, str(run_dir) if run_dir else None)
+                Pipeline(spec, run_dir).run()
+            else:
+                from rlpipe.flows.run_flow import run_flow
+
+                run_flow(spec, str(run_dir) if run_dir else None)
+        except Exception as e:
+            discard_open_staging()  # nothing partial stays behind
+            if not isinstance(e, (RunLocked, *user_errors())):
+                raise
+            raise _fail(str(e), 1) from None
 
 
 def _quiet_libraries() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from rlpipe.pipelines.layout import RunLayout
+from rlpipe.pipelines.lock import run_lock
 from rlpipe.pipelines.plan import Plan, StageCall
 from rlpipe.pipelines.preset import Preset
 from rlpipe.schemas import Manifest
@@ -81,6 +82,11 @@ class Pipeline:
 
     def run(self) -> list[IterationRecord]:
         """Set-up stages, then the iterations; returns one record per iteration."""
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        with run_lock(self.layout.root, log=self.log):
+            return self._run()
+
+    def _run(self) -> list[IterationRecord]:
         p, L = self.preset, self.layout
         self._start_run_dir()
         for call in self.plan.setup():

@@ -26,6 +26,9 @@ from pathlib import Path
 
 STAGING = ".staging"
 
+# Private staging directories this process opened and has not swapped in yet.
+_OPEN: set[Path] = set()
+
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_")
@@ -72,7 +75,16 @@ def open_staging(path: Path | str, *, shared: bool = False, fresh: bool = True) 
     if fresh and staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True, exist_ok=True)
+    if not shared:
+        _OPEN.add(staging)
     return staging
+
+
+def discard_open_staging() -> None:
+    """Remove every private staging directory this process has open (a stage failed or was
+    interrupted: nothing partial is left behind). Shared ones belong to the worker group."""
+    while _OPEN:
+        shutil.rmtree(_OPEN.pop(), ignore_errors=True)
 
 
 _RENAME_EXCHANGE = 2
@@ -113,6 +125,7 @@ def swap_into_place(staging: Path | str, path: Path | str, *, keep_subdirs: bool
             as evaluate does with eval/rollouts and eval/scores).
     """
     staging, path = Path(staging), Path(path)
+    _OPEN.discard(staging)
     if keep_subdirs and path.is_dir():
         for d in path.iterdir():
             if d.is_dir() and not d.name.startswith(".") and not (staging / d.name).exists():

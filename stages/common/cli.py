@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlpipe.schemas.config import ConfigError, describe_fields, load_config
+from rlpipe.schemas.staging import discard_open_staging
+from rlpipe.stages.common.interrupt import exit_on_signals
 
 
 def import_ref(ref: str) -> Any:
@@ -35,6 +37,15 @@ def _strip_local_rank(argv: Sequence[str]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean bad input (a file, a key, a row), reported as one line naming it, with exit
+    code 1; any other exception is a bug and keeps its traceback."""
+    from rlpipe.schemas.errors import ArtifactError
+    from rlpipe.stages.score.scorers import ScoreError
+
+    return (ArtifactError, ScoreError, OSError, ValueError)
 
 
 def stage_entry(package: str) -> Callable[[Sequence[str] | None], int]:
@@ -77,7 +88,15 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
         return 0
     started = time.perf_counter()
-    manifest = stage.run(config, force=args.force)
+    with exit_on_signals(f"stage {name}"):
+        try:
+            manifest = stage.run(config, force=args.force)
+        except Exception as e:
+            discard_open_staging()  # nothing partial stays behind
+            if not isinstance(e, user_errors()):
+                raise
+            print(f"error: {name}: {e}", file=sys.stderr)
+            return 1
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rlpipe.stages.score import verifiers as V
+from rlpipe.stages.score.contain import contain
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def python_scorer(c: Any) -> Scorer:
         raise ScoreError(c, None, "", f"cannot import {c.function!r}: {e}") from None
     if not callable(fn):
         raise ScoreError(c, None, "", f"{c.function!r} is not callable")
+    fn = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []
