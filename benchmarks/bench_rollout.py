@@ -42,7 +42,8 @@ def build_inputs(work: Path, n_prompts: int) -> tuple[Path, Path]:
     prompts = [f"Q: {i % 20}+{(3 * i) % 20}= A:" + " 1" * (i % 7) for i in range(n_prompts)]
     write_table_artifact(work / "prompts", PROMPTS, {
         "prompt_id": [f"p{i}" for i in range(n_prompts)], "prompt": prompts,
-        "answer": [None] * n_prompts, "metadata": [None] * n_prompts}, stage="bench")
+        "answer": [None] * n_prompts, "metadata": [None] * n_prompts,
+        "messages": [None] * n_prompts}, stage="bench")
     return policy, work / "prompts"
 
 

@@ -103,7 +103,7 @@ def main() -> None:
         "answer": [None] * n, "response": responses, "response_token_ids": [[3] * 4] * n,
         "response_logprobs": [[-1.0] * 4] * n, "finish_reason": ["stop"] * n,
         "sampling": [{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 64}] * n,
-        "engine": ["transformers"] * n, "seed": [0] * n,
+        "engine": ["transformers"] * n, "seed": [0] * n, "metadata": [None] * n,
     }
     write_table_artifact(root / "rollouts", ROLLOUTS, table, stage="bench", shard_by="group_id", rows_per_shard=128)
     cfg = ScoreConfig(rollouts=root / "rollouts", output=root / "scores",

@@ -2,11 +2,19 @@
 
 Thin wrappers: the pipeline (`rlpipe.pipelines.runner.Pipeline`) decides what runs; here every
 stage call becomes a Prefect task (retried where a retry can help), tasks pass configs and
-manifests (paths and hashes, never tensors), and every iteration publishes a markdown table as a
-Prefect artifact. Stages run in this process, so models stay warm between iterations.
+manifests (paths and hashes, never tensors). Stages run in this process, so models stay warm
+between iterations. What the Prefect UI shows of a run:
+
+- the data flow: each stage task is recorded as depending on the tasks that wrote its inputs
+  (within an iteration rollout -> score -> (reference) -> advantage -> optimize -> evaluate; the
+  next iteration's rollout on the optimize that wrote its policy), found by matching the input
+  paths of its config against the outputs of earlier tasks;
+- a progress artifact `<run>-progress`, updated after every stage, naming the running iteration;
+- a table artifact `<run>-iterations`: the per-iteration summary (`report.run_table`, the same
+  numbers as the report and `rlpipe inspect`), a new version after every iteration.
 
 By default the flow runs on Prefect's temporary local API; with `PREFECT_API_URL` set it runs
-under that server (and its UI shows the tasks and the per-iteration tables).
+under that server (and its UI shows the tasks and the artifacts).
 """
 
 from __future__ import annotations
@@ -16,51 +24,129 @@ from rlpipe.flows.settings import configure
 configure()
 
 import re  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.artifacts import (  # noqa: E402
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NONE  # noqa: E402
+from prefect.states import State  # noqa: E402
+from prefect.utilities.annotations import quote  # noqa: E402
 
+from rlpipe.pipelines.plan import Plan  # noqa: E402
 from rlpipe.pipelines.preset import Preset  # noqa: E402
-from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
+from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
+from rlpipe.pipelines.runner import Pipeline, run_stage  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.config import StageConfig  # noqa: E402
-from rlpipe.schemas.runs import iteration_dir_name  # noqa: E402
+from rlpipe.schemas.errors import UserError  # noqa: E402
+from rlpipe.schemas.runs import iteration_index  # noqa: E402
 from rlpipe.stages import get_stage  # noqa: E402
 
 
-@task(cache_policy=NONE, persist_result=False)
+def _transient(task, task_run, state) -> bool:
+    """Retry only what can be transient: a user error (bad config, data, reward function) fails
+    the same way every time, so it ends the task at once."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except BaseException:
+        return True
+    return True
+
+
+@task(cache_policy=NONE, persist_result=False, retry_condition_fn=_transient)
 def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
     """Run one stage in this process; skipped by the stage itself when its cache key matches."""
     return run_stage(name, config, force=force)
 
 
-def _call(name: str, config: StageConfig) -> Manifest:
-    # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes. Retries come from
-    # the registry: only stages whose failures can be transient (engines, workers) are retried.
-    output = next(iter(config.outputs().values()), None)
-    task_name = f"{name}[{Path(output).parent.name}]" if output is not None else name
-    return stage_task.with_options(name=task_name, retries=get_stage(name).retries, retry_delay_seconds=2)(name, config)
+def artifact_key(text: str) -> str:
+    """A Prefect artifact key: lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]", "-", text.lower())
 
 
-def _publish(run: str, record: IterationRecord) -> None:
-    rows = [f"| {k} | {v:.4g} |" for k, v in record.metrics.items()]
-    rows += [f"| seconds_{k} | {v:.3f} |" for k, v in record.seconds.items()]
-    create_markdown_artifact(
-        # Artifact keys allow lowercase letters, digits and dashes only ("demo-iter-0003").
-        key=re.sub(r"[^a-z0-9-]", "-", f"{run.lower()}-{iteration_dir_name(record.iteration)}"),
-        markdown="\n".join([f"### {run}: iteration {record.iteration + 1}", "", "| metric | value |",
-                            "|---|---|", *rows]),
-        description=f"rlpipe {run} iteration {record.iteration + 1}",
-    )
+@dataclass(frozen=True)
+class Upstream:
+    """What a dependency resolves to for the task waiting on it: the upstream task's name."""
+
+    task: str
+
+
+class FlowStages:
+    """The run flow's `call(name, config)`: each stage a Prefect task with the tasks that wrote
+    its inputs passed as `wait_for` (the API records them as its upstream dependencies), and the
+    progress artifact updated after each stage of an iteration."""
+
+    def __init__(self, plan: Plan, run: str):
+        self.iterations = plan.preset.iterations
+        # The stages every iteration runs (an evaluation only every few: not counted).
+        self.stages = [c.name for c in plan.iteration(0) if c.name != "evaluate"]
+        self.written_by: dict[Path, State] = {}  # artifact path -> final state of the task that wrote it
+        # Every task's result stays referenced for the run: Prefect links a result's parts to its
+        # task by id(), and a freed part's id reused by a new object would fake a dependency.
+        self.results: list[Manifest] = []
+        self.progress = create_progress_artifact(0.0, key=artifact_key(f"{run}-progress"),
+                                                 description=f"rlpipe {run}: set-up")
+
+    def __call__(self, name: str, config: StageConfig) -> Manifest:
+        outputs = list(config.outputs().values())
+        inputs = set(_paths(config.model_dump())) - set(outputs)
+        upstream = [self.written_by[p] for p in sorted(inputs) if p in self.written_by]
+        # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
+        task_name = f"{name}[{outputs[0].parent.name}]" if outputs else name
+        # name and config quoted: Prefect would otherwise link any object in them that an earlier
+        # task returned (the stage name is the same interned string as the `stage` of every
+        # earlier manifest of that stage: rollout -> rollout across iterations); the data flow
+        # is exactly `upstream`.
+        state = stage_task.with_options(name=task_name, retries=get_stage(name).retries, retry_delay_seconds=2)(
+            quote(name), quote(config), wait_for=upstream, return_state=True)
+        manifest = state.result()  # raises the stage's error when it failed
+        self.results.append(manifest)
+        # wait_for gets the state without the manifest: Prefect walks into what wait_for holds and
+        # takes any object another task returned for a dependency on that task, and manifests
+        # share strings (pydantic caches them when parsing): every task would depend on every other.
+        bare = state.model_copy(update={"data": Upstream(task_name)})
+        for p in outputs:
+            self.written_by[p] = bare
+        k = iteration_index(outputs[0].parent.name) if outputs else None
+        if k is not None and name in self.stages:
+            done = (k + (self.stages.index(name) + 1) / len(self.stages)) / self.iterations
+            update_progress_artifact(self.progress, progress=100.0 * done,
+                                     description=f"iteration {shown_iteration(k)}/{self.iterations}: {name} done")
+        return manifest
+
+
+def _paths(value: object):
+    """Every Path in a config dump, nested ones (a score component's checkpoint) included."""
+    if isinstance(value, Path):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _paths(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _paths(v)
+
+
+def publish_table(run: str, run_dir: Path) -> None:
+    """The per-iteration summary of the run so far as a table artifact (a new version of its key)."""
+    table = run_table(run_dir)
+    create_table_artifact(table=table.to_dicts(), key=artifact_key(f"{run}-iterations"),
+                          description=f"rlpipe {run}: {table.height} iteration(s). {NOTE}")
 
 
 @flow(name="rlpipe-run", log_prints=True)
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
-    pipeline = Pipeline(preset, run_dir, call=_call, log=get_run_logger().info)
-    pipeline.on_iteration = lambda record: _publish(pipeline.layout.name, record)
+    pipeline = Pipeline(preset, run_dir, log=get_run_logger().info)
+    pipeline.call = FlowStages(pipeline.plan, pipeline.layout.name)
+    pipeline.on_iteration = lambda record: publish_table(pipeline.layout.name, pipeline.layout.root)
     pipeline.run()
     return str(pipeline.layout.root)
 

@@ -5,6 +5,7 @@
     rlpipe inspect PATH         summarise a table artifact, a checkpoint or a whole run directory
     rlpipe stage NAME [ARGS]    run one stage on saved artifacts (`rlpipe stage NAME --help`)
     rlpipe run [PRESET] [k=v]   run a pipeline preset end to end (no PRESET: the built-in demo)
+    rlpipe data import SRC OUT  import prompts or preference pairs (JSONL, CSV, Parquet, datasets)
 
 Each command is one function on the module-level `app`; adding a command is adding a function.
 Start-up stays light: pyarrow, polars and torch are imported inside the commands that use them.
@@ -107,13 +108,18 @@ def inspect(
     rows: Annotated[int, typer.Option("--rows", "-n", min=0, help="Sample rows to show (table artifacts).")] = 3,
     metric: Annotated[list[str] | None, typer.Option(
         "--metric", "-m", help="Extra metric to show per iteration (run directories); repeatable.")] = None,
+    samples: Annotated[int, typer.Option(
+        "--samples", min=0, help="Run directories: print this many sample completions with their rewards.")] = 0,
+    iteration: Annotated[int | None, typer.Option(
+        "--iteration", min=1, help="With --samples: the iteration (as shown, 1 = iter_0000; default the latest).")] = None,
 ) -> None:
     """Summarise an artifact (rows, schema, statistics, sample rows) or a run (one row per iteration)."""
     from rlpipe.pipelines import inspect as insp
     from rlpipe.schemas import ArtifactError
 
     try:
-        insp.inspect_path(path, _console(), sample_rows=rows, metrics=metric or ())
+        insp.inspect_path(path, _console(), sample_rows=rows, metrics=metric or (), samples=samples,
+                          iteration=iteration)
     except (ArtifactError, FileNotFoundError, NotADirectoryError) as e:
         raise _fail(str(e), 1) from None
 
@@ -151,6 +157,7 @@ def run(
     preset: Annotated[str, typer.Argument(help="Built-in preset name (demo, grpo, ppo, grpo_rm) or a YAML file.")] = "demo",
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<preset name>).")] = None,
     local: Annotated[bool, typer.Option("--local", help="Run the plain-Python pipeline, without Prefect.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a user error.")] = False,
 ) -> None:
     """Run a pipeline preset: data, optional SFT and reward model, then RL iterations.
 
@@ -158,20 +165,14 @@ def run(
     Rerunning the same command resumes: finished stages are skipped by their cache keys.
     """
     from rlpipe.pipelines.preset import load_preset
-    from rlpipe.schemas.config import ConfigError
-
-    try:
-        spec = load_preset(preset, list(ctx.args))
-    except ConfigError as e:
-        raise _fail(str(e), 2) from None
-    _quiet_libraries()
-    from rlpipe.pipelines.lock import RunLocked
+    from rlpipe.schemas.errors import UserError
     from rlpipe.schemas.staging import discard_open_staging
-    from rlpipe.stages.common.cli import user_errors
     from rlpipe.stages.common.interrupt import exit_on_signals
 
-    with exit_on_signals(f"run {spec.name}"):
+    with exit_on_signals(f"run {run_dir or preset}"):
         try:
+            spec = load_preset(preset, list(ctx.args))
+            _quiet_libraries()
             if local:
                 from rlpipe.pipelines.runner import Pipeline
 
@@ -180,11 +181,58 @@ def run(
                 from rlpipe.flows.run_flow import run_flow
 
                 run_flow(spec, str(run_dir) if run_dir else None)
-        except Exception as e:
+        except BaseException as e:
             discard_open_staging()  # nothing partial stays behind
-            if not isinstance(e, (RunLocked, *user_errors())):
+            if not isinstance(e, UserError) or debug:
                 raise
-            raise _fail(str(e), 1) from None
+            raise _fail(str(e), 2) from None
+
+
+data_app = typer.Typer(help="Bring your own data: import files as artifacts.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("import")
+def data_import(
+    source: Annotated[Path, typer.Argument(help="A .jsonl/.json, .csv/.tsv or .parquet file, or a `datasets` directory.")],
+    output: Annotated[Path, typer.Argument(help="The artifact directory to write.")],
+    kind: Annotated[str, typer.Option(help="What the rows are: prompts or preferences (chosen/rejected pairs).")] = "prompts",
+    prompt: Annotated[str | None, typer.Option(help="Column with the prompt text (default: prompt).")] = None,
+    messages: Annotated[str | None, typer.Option(help="Column with chat turns [{role, content}] (default: messages).")] = None,
+    answer: Annotated[str | None, typer.Option(help="Column with the reference answer (default: answer).")] = None,
+    id: Annotated[str | None, typer.Option("--id", help="Column with unique ids (default: prompt_id/pair_id/id; else generated from content).")] = None,
+    chosen: Annotated[str | None, typer.Option(help="Preferences: column with the preferred response (default: chosen).")] = None,
+    rejected: Annotated[str | None, typer.Option(help="Preferences: column with the dispreferred response (default: rejected).")] = None,
+    margin: Annotated[str | None, typer.Option(help="Preferences: column with a per-pair margin (default: margin).")] = None,
+    split: Annotated[str | None, typer.Option(help="The split of a `datasets` directory holding several.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Import again even if the artifact is up to date.")] = False,
+) -> None:
+    """Import prompts or preference pairs as an artifact; other columns of a prompt go to its metadata.
+
+    Rows with repeated ids, empty prompts or text that is not UTF-8 are refused with their line or
+    row numbers. The same as `rlpipe stage import_data source=SRC prompts=OUT ...`.
+    """
+    from rlpipe.schemas.config import ConfigError, parse_config
+    from rlpipe.stages import get_stage
+    from rlpipe.stages.import_data.sources import DataImportError
+
+    if kind not in ("prompts", "preferences"):
+        raise _fail(f"--kind must be prompts or preferences, got {kind!r}", 2)
+    mapping = {k: v for k, v in dict(prompt=prompt, messages=messages, answer=answer, id=id, chosen=chosen,
+                                     rejected=rejected, margin=margin, split=split).items() if v is not None}
+    stage = get_stage("import_data")
+    try:
+        config = parse_config(stage.config_class(), {"source": source, kind: output, **mapping}, "rlpipe data import")
+        m = stage.run(config, force=force)
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
+    except DataImportError as e:
+        raise _fail(str(e), 1) from None
+    extra = m.extra
+    kept = extra.get("metadata_columns") or extra.get("ignored_columns") or []
+    kept_what = "metadata" if kind == "prompts" else "ignored"
+    _console().print(f"imported {m.rows} {kind} from {source} into {output} (ids: {extra['ids']}; "
+                     f"{kept_what}: {', '.join(kept) or 'none'}; content {m.content_hash[:12]})", markup=False)
 
 
 def _quiet_libraries() -> None:

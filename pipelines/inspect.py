@@ -2,7 +2,9 @@
 
 The numbers come from plain functions (`table_stats`, `run_summary`) that return dicts and Polars
 frames, so tests check values; `inspect_path` renders them with rich. Everything is read with
-Polars through `rlpipe.schemas` (schemas checked), only the columns a statistic needs.
+Polars through `rlpipe.schemas` (schemas checked), only the columns a statistic needs. A run's
+per-iteration numbers are the summary of `pipelines.report` (same names, numbering and
+aggregation as the report, the console line and the metric sinks).
 """
 
 from __future__ import annotations
@@ -18,21 +20,27 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
+from rlpipe.pipelines.report import (
+    COLUMNS,
+    format_value,
+    iteration_metrics,
+    printable,
+    sample_completions,
+    shown_iteration,
+    stage_seconds,
+    step_metrics,
+)
 from rlpipe.schemas import (
     MANIFEST_NAME,
     ArtifactError,
     ArtifactNotFound,
     Manifest,
+    exists,
     read_manifest,
     scan_artifact,
-    scan_run,
 )
 from rlpipe.schemas.runs import iteration_dirs, iteration_index
 
-#: Metrics shown per iteration when a run's metrics artifacts log them (ALGORITHMS.md section 7),
-#: in this order; `--metric NAME` adds others.
-DEFAULT_METRICS = ("policy_loss", "approx_kl", "kl", "kl_ref", "entropy", "clip_fraction",
-                   "grad_norm", "value_loss", "accuracy")
 MAX_CELL = 48  # characters of text shown per sample cell
 MAX_ITEMS = 6  # list items shown per sample cell
 
@@ -123,16 +131,8 @@ def _short(value: Any) -> str:
         return "{" + ", ".join(f"{k}={_short(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float):
         return f"{value:.4g}"
-    text = str(value).replace("\n", "\\n")
+    text = printable(str(value))
     return text if len(text) <= MAX_CELL else f"{text[:MAX_CELL]}... ({len(text)} chars)"
-
-
-def _fmt(x: Any) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.4g}"
-    return str(x)
 
 
 def _manifest_table(path: Path, m: Manifest) -> Table:
@@ -165,14 +165,14 @@ def show_table_artifact(path: Path, console: Console, sample_rows: int = 3) -> d
         for c in ("quantity", "mean", "std", "min", "max"):
             t.add_column(c, justify="left" if c == "quantity" else "right")
         for q, v in stats["stats"].items():
-            t.add_row(q, *(_fmt(v[s]) for s in ("mean", "std", "min", "max")))
+            t.add_row(q, *(format_value(v[s]) for s in ("mean", "std", "min", "max")))
         console.print(t)
     if stats["components"]:
         t = Table(title="reward components (unweighted means)", title_justify="left")
         t.add_column("component")
         t.add_column("mean", justify="right")
         for c, v in stats["components"].items():
-            t.add_row(c.removeprefix("reward__"), _fmt(v))
+            t.add_row(c.removeprefix("reward__"), format_value(v))
         console.print(t)
     if stats["finish_reasons"]:
         parts = ", ".join(f"{r} {f:.1%}" for r, f in stats["finish_reasons"].items())
@@ -183,7 +183,7 @@ def show_table_artifact(path: Path, console: Console, sample_rows: int = 3) -> d
         for c in summary.columns:
             t.add_column(c, justify="right" if summary[c].dtype.is_numeric() else "left")
         for r in summary.iter_rows():
-            t.add_row(*(_fmt(v) for v in r))
+            t.add_row(*(format_value(v) for v in r))
         console.print(t)
     if sample_rows and stats["rows"]:
         sample = lf.head(sample_rows).collect()
@@ -235,100 +235,48 @@ def show_checkpoint(path: Path, console: Console) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------------------------
-def _artifacts_by_schema(iters: Sequence[tuple[int, Path]]) -> dict[str, list[str]]:
-    """schema name ('checkpoint' for checkpoints) -> artifact directory names, over all iterations."""
-    found: dict[str, list[str]] = {}
-    for _, d in iters:
-        for art in sorted(p for p in d.iterdir() if (p / MANIFEST_NAME).is_file()):
-            try:
-                m = read_manifest(art)
-            except ArtifactError:
-                continue
-            key = m.schema_name if m.kind == "table" and m.schema_name else m.kind
-            if art.name not in found.setdefault(key, []):
-                found[key].append(art.name)
-    return found
-
-
-def _pick(names: list[str], preferred: str) -> str | None:
-    if not names:
-        return None
-    return preferred if preferred in names else names[0]
+#: Directories of an iteration that are not artifacts: the stage configs the pipeline saves.
+NOT_ARTIFACTS = frozenset({"configs"})
 
 
 def run_summary(run_dir: Path, metrics: Sequence[str] = ()) -> pl.DataFrame:
     """One row per iteration of a run with whatever its artifacts hold.
 
-    Columns (those that can be computed): iteration, artifacts (complete ones; incomplete ones
-    marked '!'), wall_s (sum over stages of their longest artifact wall time), rollouts, groups, reward_mean,
-    reward_std, response_len_mean, truncated (fraction finished by 'length'), then the last value
-    of each metric in DEFAULT_METRICS (or `metrics`) logged by a metrics artifact in the iteration.
+    Columns (those that can be computed): iteration (shown number, see `report.shown_iteration`),
+    artifacts (complete ones; unfinished ones, without a manifest, marked '!'), wall_s (sum of
+    the stage times `report.stage_seconds`), rollouts, groups, then the summary of
+    `report.iteration_metrics`, then each metric of `metrics` as `report.step_metrics` gives it.
     """
     run_dir = Path(run_dir)
-    iters = iteration_dirs(run_dir)
     rows = []
-    for k, d in iters:
-        complete, incomplete, wall = [], [], {}
-        for art in sorted(p for p in d.iterdir() if p.is_dir()):
-            if (art / MANIFEST_NAME).is_file():
-                complete.append(art.name)
-                try:
-                    m = read_manifest(art)
-                except ArtifactError:
-                    continue
-                # a stage writing several artifacts (optimize: policy, critic, metrics) counts once
-                wall[m.stage] = max(wall.get(m.stage, 0.0), m.wall_time_s)
-            else:
-                incomplete.append(art.name + "!")
-        rows.append({"iteration": k, "artifacts": " ".join(complete + incomplete), "wall_s": sum(wall.values())})
-    out = pl.DataFrame(rows, schema={"iteration": pl.Int32, "artifacts": pl.String, "wall_s": pl.Float64})
-    by_schema = _artifacts_by_schema(iters)
-
-    rollouts = _pick(by_schema.get("rollouts", []), "rollouts")
-    if rollouts:
-        lf = scan_run(run_dir, rollouts, iteration_column="iteration_dir")
-        agg = lf.group_by("iteration_dir").agg(
-            pl.len().alias("rollouts"),
-            pl.col("group_id").n_unique().alias("groups"),
-            pl.col("response_token_ids").list.len().mean().alias("response_len_mean"),
-            (pl.col("finish_reason") == "length").mean().alias("truncated"),
-        )
-        out = out.join(agg.collect().rename({"iteration_dir": "iteration"}), on="iteration", how="left")
-    scores = _pick(by_schema.get("scores", []), "scores")
-    if scores:
-        lf = scan_run(run_dir, scores, iteration_column="iteration_dir")
-        aggs = [pl.col("reward").mean().alias("reward_mean"), pl.col("reward").std().alias("reward_std")]
-        if not rollouts:
-            aggs += [pl.col("response_length").mean().alias("response_len_mean"),
-                     (pl.col("finish_reason") == "length").mean().alias("truncated")]
-        agg = lf.group_by("iteration_dir").agg(aggs).collect().rename({"iteration_dir": "iteration"})
-        out = out.join(agg, on="iteration", how="left")
-
-    frames = [scan_run(run_dir, name, iteration_column="iteration_dir")
-              .with_columns(pl.lit(name).alias("artifact")) for name in by_schema.get("metrics", [])]
-    if frames:
-        long = pl.concat(frames, how="diagonal_relaxed").with_columns(
-            pl.when(pl.col("artifact") == "metrics").then(pl.col("name"))
-            .otherwise(pl.col("artifact") + "/" + pl.col("name")).alias("label")
-        )
-        last = (long.sort("iteration_dir", "step", maintain_order=True).group_by("iteration_dir", "label")
-                .agg(pl.col("value").last()).collect())
-        labels = set(last["label"].to_list())
-        wanted = [n for n in DEFAULT_METRICS if n in labels]
-        wanted += sorted(lb for lb in labels if "/" in lb and lb.split("/", 1)[1] in DEFAULT_METRICS)
-        wanted += [n for n in metrics if n not in wanted]
-        missing = [n for n in metrics if n not in labels]
+    for k, d in iteration_dirs(run_dir):
+        complete, incomplete = [], []
+        for art in sorted(p for p in d.iterdir() if p.is_dir() and p.name not in NOT_ARTIFACTS):
+            (complete if (art / MANIFEST_NAME).is_file() else incomplete).append(art.name)
+        row: dict[str, Any] = {"iteration": shown_iteration(k),
+                               "artifacts": " ".join(complete + [f"{n}!" for n in incomplete]),
+                               "wall_s": sum(stage_seconds(d).values())}
+        if exists(d / "rollouts"):
+            counts = scan_artifact(d / "rollouts").select(pl.len(), pl.col("group_id").n_unique()).collect()
+            row["rollouts"], row["groups"] = counts.row(0)
+        row.update(iteration_metrics(run_dir, k))
+        if metrics and exists(d / "metrics"):
+            logged = step_metrics(d / "metrics")
+            row.update({n: logged[n] for n in metrics if n in logged})
+        rows.append(row)
+    if metrics:
+        missing = [n for n in metrics if not any(n in r for r in rows)]
         if missing:
-            raise ArtifactError(f"metric(s) {missing} not logged in {run_dir}; logged: {sorted(labels)}")
-        if wanted:
-            wide = (last.filter(pl.col("label").is_in(wanted))
-                    .pivot(on="label", index="iteration_dir", values="value")
-                    .rename({"iteration_dir": "iteration"}))
-            out = out.join(wide.select("iteration", *[w for w in wanted if w in wide.columns]),
-                           on="iteration", how="left")
-    elif metrics:
-        raise ArtifactError(f"no metrics artifact in {run_dir}/iter_*/; cannot show {list(metrics)}")
-    return out.sort("iteration")
+            logged = sorted({n for k, d in iteration_dirs(run_dir) if exists(d / "metrics")
+                             for n in step_metrics(d / "metrics")})
+            raise ArtifactError(f"metric(s) {missing} not logged in {run_dir}; logged: {logged}")
+    seen = {c for r in rows for c in r}
+    order = ["iteration", "artifacts", "wall_s", "rollouts", "groups"]
+    order += [c for c in COLUMNS if c not in order] + [m for m in metrics if m not in COLUMNS]
+    order = [c for c in order if c in seen]  # of the held-out metrics, the table shows accuracy
+    types = {"iteration": pl.Int32, "artifacts": pl.String, "rollouts": pl.Int64, "groups": pl.Int64}
+    return pl.DataFrame([{c: r.get(c) for c in order} for r in rows],
+                        schema={c: types.get(c, pl.Float64) for c in order})
 
 
 def _other_artifacts(run_dir: Path) -> list[Path]:
@@ -341,41 +289,105 @@ def _other_artifacts(run_dir: Path) -> list[Path]:
     return found
 
 
+def _column_width(header: str, cells: list[str]) -> int:
+    """Characters a rich table column takes: its widest line plus padding and a border."""
+    return max(len(header), *(len(c) for c in cells)) + 3
+
+
+def print_wide(console: Console, frame: pl.DataFrame, title: str, headers: dict[str, str],
+               key: str = "iteration") -> None:
+    """Print a frame as one table, or as several that each fit the console's width, every one
+    starting with the `key` column (so each row stays identifiable)."""
+    cells = {c: [format_value(v) for v in frame[c].to_list()] for c in frame.columns}
+    label = {c: headers.get(c, c) for c in frame.columns}
+    width = {c: _column_width(label[c], cells[c]) for c in frame.columns}
+    groups: list[list[str]] = [[]]
+    used = width[key] + 1
+    for c in frame.columns:
+        if c == key:
+            continue
+        if groups[-1] and used + width[c] > console.width:
+            groups.append([])
+            used = width[key] + 1
+        groups[-1].append(c)
+        used += width[c]
+    for i, group in enumerate(groups):
+        part = f" ({i + 1}/{len(groups)})" if len(groups) > 1 else ""
+        t = Table(title=title + part, title_justify="left")
+        for c in (key, *group):
+            t.add_column(label[c], justify="right", no_wrap=True)
+        for r in range(frame.height):
+            t.add_row(*(cells[c][r] for c in (key, *group)))
+        console.print(t)
+
+
+#: Short column headers of the run table (the summary's labels, and inspect's own columns).
+_HEADERS = {**{c: label for c, (label, _) in COLUMNS.items()}, "wall_s": "wall s"}
+
+
 def show_run(run_dir: Path, console: Console, metrics: Sequence[str] = ()) -> pl.DataFrame:
-    """Print a run: its artifacts outside the iterations, then one row per iteration."""
+    """Print a run: its artifacts outside the iterations, one row per iteration (split into
+    tables that fit the console), then each iteration's artifacts."""
     others = _other_artifacts(run_dir)
     if others:
         t = Table(title=f"{run_dir}: artifacts", title_justify="left")
-        for c in ("artifact", "kind", "rows / files", "stage", "content"):
-            t.add_column(c)
+        t.add_column("artifact", no_wrap=True)
+        for c in ("kind", "size", "stage", "content"):
+            t.add_column(c, overflow="fold")
         for art in others:
             m = read_manifest(art)
-            what = f"{m.schema_name} table" if m.kind == "table" else "checkpoint"
-            size = str(m.rows) if m.kind == "table" else f"{len(m.files)} files"
+            what = m.schema_name if m.kind == "table" else "checkpoint"
+            size = f"{m.rows} rows" if m.kind == "table" else f"{len(m.files)} files"
             t.add_row(str(art.relative_to(run_dir)), what, size, m.stage, m.content_hash[:12])
         console.print(t)
     summary = run_summary(run_dir, metrics)
-    shown = summary.select(pl.exclude("artifacts"), "artifacts")  # the wide text column last
-    t = Table(title=f"{run_dir}: {summary.height} iteration(s) ('!': artifact without manifest)",
-              title_justify="left")
-    for c in shown.columns:
-        t.add_column(_HEADERS.get(c, c), justify="left" if c == "artifacts" else "right", overflow="fold")
-    for r in shown.iter_rows():
-        t.add_row(*(_fmt(v) for v in r))
+    console.print(f"{summary.height} iteration(s), n = iter_{{n-1:04d}}; optimiser metrics: means over steps",
+                  markup=False)
+    print_wide(console, summary.drop("artifacts"), f"{run_dir}: per iteration", _HEADERS)
+    t = Table(title="artifacts per iteration ('!': unfinished, no manifest)", title_justify="left")
+    t.add_column("iter", justify="right", no_wrap=True)
+    t.add_column("artifacts", overflow="fold")
+    for n, arts in summary.select("iteration", "artifacts").iter_rows():
+        t.add_row(str(n), arts)
     console.print(t)
     return summary
 
 
-_HEADERS = {"iteration": "iter", "wall_s": "wall s", "response_len_mean": "resp len",
-            "truncated": "trunc", "reward_mean": "reward", "reward_std": "rew std"}
+def show_samples(run_dir: Path, console: Console, count: int, iteration: int | None = None) -> pl.DataFrame:
+    """Print `count` sample completions (prompt, response, reward, ...) of shown iteration
+    `iteration` (default: the latest with rollouts); returns them."""
+    with_rollouts = {shown_iteration(k): k for k, d in iteration_dirs(run_dir) if exists(d / "rollouts")}
+    if not with_rollouts:
+        raise ArtifactNotFound(f"{run_dir}: no iteration has rollouts yet")
+    n = max(with_rollouts) if iteration is None else iteration
+    if n not in with_rollouts:
+        raise ArtifactNotFound(f"{run_dir}: iteration {n} has no rollouts; iterations with rollouts: "
+                               f"{sorted(with_rollouts)} (iteration n is iter_{{n-1:04d}})")
+    k = with_rollouts[n]
+    samples = sample_completions(run_dir, k, count)
+    t = Table(title=f"{run_dir}: iteration {n} (iter_{k:04d}), {samples.height} completion(s)",
+              title_justify="left")
+    for c in samples.columns:
+        numeric = samples[c].dtype.is_numeric()
+        t.add_column("finish" if c == "finish_reason" else c, justify="right" if numeric else "left",
+                     overflow="fold", no_wrap=numeric)
+    for r in samples.iter_rows():
+        t.add_row(*(format_value(v) if isinstance(v, float) or v is None else _short(v) for v in r))
+    console.print(t)
+    return samples
 
 
-def inspect_path(path: Path, console: Console, *, sample_rows: int = 3, metrics: Sequence[str] = ()) -> None:
-    """Summarise whatever is at `path`: a table artifact, a checkpoint or a run directory."""
+def inspect_path(path: Path, console: Console, *, sample_rows: int = 3, metrics: Sequence[str] = (),
+                 samples: int = 0, iteration: int | None = None) -> None:
+    """Summarise whatever is at `path`: a table artifact, a checkpoint or a run directory; for a
+    run with `samples` > 0, print that many sample completions of `iteration` instead."""
     path = Path(path)
     kind = kind_of(path)
     if kind == "run":
-        show_run(path, console, metrics)
+        if samples or iteration is not None:
+            show_samples(path, console, samples or 4, iteration)
+        else:
+            show_run(path, console, metrics)
     elif kind == "checkpoint":
         show_checkpoint(path, console)
     else:

@@ -1,16 +1,17 @@
-"""The run directory: where every artifact of a run lives.
+"""The run directory: where every artifact of a run lives (the plan, `plan.py`, names each path).
 
     runs/<run>/
       preset.yaml                   the resolved preset the run was started with
-      data/prompts_train/           prompts artifact (training prompts)
-      data/prompts_eval/            prompts artifact (held-out prompts)
-      data/preferences/             preferences artifact (reward-model training, when used)
-      models/base/                  base policy checkpoint (the demo builds one locally)
-      models/sft/                   SFT warm start (when configured)
-      models/reward/                reward model (when trained by the pipeline)
-      models/critic/                initial critic (PPO)
+      configs/<stage>.yaml          the exact config of each set-up stage (task, base_model, sft, ...)
+      data/task/{train,heldout,sft}/  prompts artifacts of the generated task (stage `task`)
+      data/preferences/             preferences artifact (stage `preferences`, when a reward model is trained)
+      models/base/                  base policy checkpoint (stage `base_model`, when model.base is unset)
+      models/sft/, sft_metrics/     SFT warm start and its loss curve (when configured)
+      models/reward/, reward_metrics/  reward model (when trained by the pipeline)
+      models/critic/                initial critic (stage `critic_init`, PPO)
       eval_0000/                    evaluation of the starting policy
       iter_0000/
+        configs/<stage>.yaml                        the exact config each stage ran with
         rollouts/ scores/ reference/ advantages/    table artifacts
         policy/ critic/                             checkpoints written by optimize
         metrics/                                    optimize metrics (long format)

@@ -21,10 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from rlpipe.schemas.errors import UserError
+
 LOCK_NAME = ".lock"
 
 
-class RunLocked(RuntimeError):
+class RunLocked(UserError):
     """Another live process holds the run directory's lock."""
 
 

@@ -7,11 +7,13 @@ built, with the real paths) and drives the runner. A stage's config is the prese
 that stage (its knobs) plus the fields the pipeline assigns: the ones the stage config marks as
 `Input`, `Output` or `Assigned` (see `rlpipe.schemas.config`).
 
-    set-up:     task -> base_model -> sft -> preferences -> reward_model -> critic_init -> evaluate
+    set-up:     (import_data | task) -> base_model -> sft -> preferences -> reward_model -> critic_init -> evaluate
     iteration:  rollout -> score -> (reference) -> advantage -> optimize -> (evaluate)
 
 Stages whose inputs the preset supplies itself (its own prompts, base model or reward model) are
-left out.
+left out. A `data.*` entry naming a data file (JSONL, CSV, Parquet, a `datasets` directory) rather
+than an artifact is imported into runs/<run>/data/ first (`import_data`, cached by the file's
+content), and later stages read the imported artifact.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.preset import Preset
 from rlpipe.schemas.config import ConfigError, StageConfig, parse_config
 from rlpipe.stages import get_stage
+from rlpipe.stages.import_data.config import ONLY_FOR
+from rlpipe.stages.import_data.sources import is_data_file
+
+#: data.<field> -> the run's data/<name> a data file named there is imported into.
+IMPORTED = {"prompts": "prompts_train", "eval_prompts": "prompts_eval", "preferences": "preferences"}
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,32 @@ class Plan:
         sft = d / "sft" if self.preset.data.task.get("sft_padded_fraction") else None
         return self.call("task", self.setup_dir, train=d / "train", heldout=d / "heldout", sft=sft)
 
+    def imports(self) -> list[StageCall]:
+        """An import_data call for each data.prompts / eval_prompts / preferences naming a data file;
+        the preset's `import_data` knobs (column names) apply to each, less the other kind's."""
+        calls = []
+        for field, name in IMPORTED.items():
+            path = getattr(self.preset.data, field)
+            if path is not None and is_data_file(path):
+                kind = "preferences" if field == "preferences" else "prompts"
+                knobs = {k: v for k, v in self.preset.import_data.items() if k not in ONLY_FOR[kind]}
+                assigned = {"source": path, kind: self.layout.data(name)}  # (stage_config has a `source` arg)
+                calls.append(StageCall("import_data", stage_config("import_data", {**knobs, **assigned}, self.source),
+                                       self.setup_dir / name))
+        return calls
+
+    def _data(self, field: str) -> Path | None:
+        """data.<field> as an artifact: where it is imported to when it names a data file."""
+        path = getattr(self.preset.data, field)
+        return self.layout.data(IMPORTED[field]) if path is not None and is_data_file(path) else path
+
     def prompts(self) -> tuple[Path, Path, Path]:
         """(training, held-out, SFT) prompts artifacts."""
         task = self.task()
         if task is None:
-            d = self.preset.data
-            assert d.prompts is not None  # the preset's validator guarantees one source
-            return d.prompts, d.eval_prompts or d.prompts, d.prompts
+            train = self._data("prompts")
+            assert train is not None  # the preset's validator guarantees one source
+            return train, self._data("eval_prompts") or train, train
         c = task.config
         return c.train, c.heldout, c.sft or c.train
 
@@ -93,7 +119,7 @@ class Plan:
         return self.layout.model("reward")
 
     def preferences(self) -> Path:
-        return self.preset.data.preferences or self.layout.data("preferences")
+        return self._data("preferences") or self.layout.data("preferences")
 
     def reference_model(self) -> Path | None:
         return self.start_policy() if self.preset.model.reference else None
@@ -112,7 +138,7 @@ class Plan:
         """Set-up calls in order: data, base model, SFT, reward model, critic, first evaluation."""
         p, L = self.preset, self.layout
         train, heldout, sft_prompts = self.prompts()
-        calls = [c for c in (self.task(),) if c is not None]
+        calls = [*self.imports(), *(c for c in (self.task(),) if c is not None)]
         if p.model.base is None:
             from rlpipe.stages.task.arithmetic import tokenizer_texts
 
@@ -168,6 +194,23 @@ class Plan:
         """Build every config of the set-up and of the first iteration: bad knobs fail now."""
         self.setup()
         self.iteration(0)
+
+    def check_inputs(self) -> None:
+        """Every input the run reads but no stage of it writes (the user's model, prompts,
+        preferences) exists and is of the right kind: checked before any stage runs, so a wrong
+        path fails in a second, not after SFT."""
+        from rlpipe.schemas.errors import UserError
+        from rlpipe.schemas.inputs import input_problem
+
+        written: set[Path] = set()
+        for call in [*self.setup(), *self.iteration(0)]:
+            for name, path in call.config.inputs().items():
+                if Path(path) in written:
+                    continue
+                problem = input_problem(path, call.config.input_fields()[name].kind)
+                if problem:
+                    raise UserError(f"{self.source}: {call.name}.{name}: {problem}")
+            written.update(Path(p) for p in call.config.outputs().values())
 
     def _score_components(self) -> dict[str, Any]:
         """The score fragment's components, a `checkpoint: reward_model` made the run's reward model."""

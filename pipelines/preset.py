@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 
@@ -23,17 +23,20 @@ class _Spec(BaseModel):
 
 
 class DataSpec(_Spec):
-    """Where prompts come from: existing `prompts` artifacts, or a generated task."""
+    """Where prompts come from: existing `prompts` artifacts, data files to import (JSONL, CSV,
+    Parquet, a `datasets` directory; column names in the preset's `import_data` section), or a
+    generated task."""
 
     task: dict[str, Any] | None = None
     """Knobs of the `task` stage (a synthetic verifiable task generated into runs/<run>/data/task/,
     the demo): kind, a_range, b_range, ops, n_train, n_heldout, sft_padded_fraction, ..."""
     prompts: Path | None = None
-    """Training `prompts` artifact (when no task is given)."""
+    """Training prompts: a `prompts` artifact or a data file to import (when no task is given)."""
     eval_prompts: Path | None = None
-    """Held-out `prompts` artifact for evaluation (when no task is given)."""
+    """Held-out prompts for evaluation: an artifact or a data file (default: the training prompts)."""
     preferences: Path | None = None
-    """`preferences` artifact for reward-model training (when the preset trains one)."""
+    """Preference pairs for reward-model training (when the preset trains one): a `preferences`
+    artifact or a data file to import."""
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
@@ -83,6 +86,9 @@ class Preset(_Spec):
     preferences: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the preferences stage, which builds the reward model's training pairs when
     data.preferences is not given (default: pairs from the training prompts' answers)."""
+    import_data: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the import_data stage for the data.* entries that name data files: column names
+    (prompt, messages, answer, id, chosen, rejected, margin) and split."""
     critic_init: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the critic_init stage (head initialisation) when model.critic is true."""
     rollout: dict[str, Any] = Field(default_factory=dict)
@@ -99,6 +105,18 @@ class Preset(_Spec):
     """Knobs of the optimize stage (loss, lr, epochs, kl_beta, zero_stage, ...)."""
     evaluate: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the evaluate stage."""
+    loggers: list[str] = []
+    """Metric sinks that get every iteration's summary, the resolved preset and sample
+    completions, by name: tensorboard, mlflow, wandb (offline unless WANDB_MODE says otherwise);
+    they write under runs/<run>/logs/<name>/ (see pipelines/sinks.py)."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, names: list[str]) -> list[str]:
+        from rlpipe.pipelines.sinks import check_sink_names
+
+        check_sink_names(names)
+        return names
 
     def fragment(self, stage: str) -> dict[str, Any] | None:
         """The preset's knobs for `stage` (None: the preset skips that optional stage)."""

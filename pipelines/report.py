@@ -1,26 +1,102 @@
-"""What a run shows: headline metrics per iteration, and a report (curves as PNG + a markdown
-table) written into runs/<run>/report/. Everything is read back from the run's artifacts with
-Polars, so the report of a finished, resumed or still-running run is the same.
+"""What a run shows: ONE summary per iteration, and the report built from it.
+
+Everything is read back from the run's artifacts with Polars, so the summary of a finished,
+resumed or still-running run is the same, and the console line, `rlpipe inspect`, the report
+(runs/<run>/report/: curves.png, metrics.md, index.html), the metric sinks (`sinks.py`) and the
+Prefect artifacts all show these numbers, under these names:
+
+- Numbering: iteration k of the code (directory iter_{k:04d}, the `iteration` column of its
+  rollouts and metrics) is SHOWN as n = k + 1 (`shown_iteration`): the number of iterations
+  completed when it ends, as in "iter 2/2" and as the evaluate stage counts (its artifact after
+  iteration k is tagged k + 1, and the evaluation before training, eval_0000, sits at n = 0).
+- Aggregation: an optimiser metric of an iteration is the MEAN over its optimizer steps (step >= 1
+  of its metrics artifact); a once-per-stage value (step 0) is taken as is. The mean describes the
+  whole update made with the iteration's rollouts (how far the policy moved, which fraction of
+  tokens was clipped, over every minibatch and epoch), as PPO implementations report it; the
+  last step alone is one minibatch, noisier, and with several epochs the most off-policy one.
+  With one step per iteration the two coincide.
+- approx_kl and clip_fraction (KL to, and ratio clipping against, the rollout policy) are left
+  out of an iteration with a single optimizer step on recomputed old log-probs: that step runs
+  the rollout policy itself (ratio exactly 1), so they are 0 by construction and say nothing.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
-from rlpipe.schemas import exists, read_manifest, read_table_artifact
+from rlpipe.schemas import MANIFEST_NAME, ArtifactError, exists, read_manifest, read_table_artifact
 from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name, iteration_dirs
 
 #: The component a preset names `correct` (an answer-match verifier) is shown as accuracy.
 ACCURACY_COMPONENT = "reward__correct"
 
-#: Optimiser metrics averaged over the steps of an iteration, as shown in the metrics line.
-STEP_METRICS = ("loss", "approx_kl", "kl_ref", "entropy", "clip_fraction", "grad_norm", "value_loss",
-                "explained_variance")
+#: The per-iteration summary in display order: column -> (short label, plot title). Columns a
+#: run does not produce are absent (no critic: no value_*; no reference: no kl_ref). After these
+#: come the other eval_* metrics and seconds_<stage> (wall time of each stage, from its manifest).
+COLUMNS: dict[str, tuple[str, str]] = {
+    "iteration": ("iter", "iteration"),
+    "reward_mean": ("reward", "reward (mean)"),
+    "reward_std": ("rew std", "reward (std)"),
+    "accuracy": ("acc", "train accuracy"),
+    "eval_accuracy": ("eval acc", "held-out accuracy"),
+    "response_length": ("resp len", "response length (tokens)"),
+    "truncated_fraction": ("trunc", "truncated fraction"),
+    "loss": ("loss", "loss"),
+    "kl_ref": ("kl ref", "KL to reference"),
+    "approx_kl": ("kl old", "approx KL to rollout policy"),
+    "clip_fraction": ("clip", "clip fraction"),
+    "entropy": ("entropy", "entropy"),
+    "grad_norm": ("grad", "grad norm"),
+    "value_loss": ("v loss", "value loss"),
+    "value_clip_fraction": ("v clip", "value clip fraction"),
+    "explained_variance": ("expl var", "explained variance"),
+    "optimizer_steps": ("steps", "optimizer steps"),
+}
+
+#: Optimiser metrics of the summary (means over the iteration's optimizer steps).
+OPTIMIZER_METRICS = ("loss", "kl_ref", "approx_kl", "clip_fraction", "entropy", "grad_norm",
+                     "value_loss", "value_clip_fraction", "explained_variance")
+
+#: Measured against the rollout policy: identically 0 on the first optimizer step of an iteration.
+ROLLOUT_POLICY_METRICS = ("approx_kl", "clip_fraction", "dual_clip_fraction")
+
+#: Panels of curves.png, in order; a panel shows only when its column has data.
+PANELS = ("reward_mean", "accuracy", "eval_accuracy", "kl_ref", "approx_kl", "clip_fraction",
+          "entropy", "response_length", "value_loss", "explained_variance", "value_clip_fraction")
+
+#: Sample completions per iteration given to the sinks and shown in the HTML report.
+SAMPLES_PER_ITERATION = 8
+
+
+def shown_iteration(k: int) -> int:
+    """The number iteration k (directory iter_{k:04d}) is shown as: k + 1 (see the module doc)."""
+    return k + 1
+
+
+def step_metrics(metrics_dir: Path | str) -> dict[str, float]:
+    """Every metric of an optimize `metrics` artifact, one value each: the mean over optimizer
+    steps (step >= 1) of a per-step metric, the value of a once-per-stage one (step 0); without
+    the rollout-policy metrics when they are 0 by construction (see the module doc)."""
+    import polars as pl
+
+    m = pl.from_arrow(read_table_artifact(metrics_dir))
+    out = {n: float(v) for n, v in m.filter(pl.col("step") == 0).select("name", "value").iter_rows()}
+    means = m.filter(pl.col("step") > 0).group_by("name").agg(pl.col("value").mean(), pl.col("step").n_unique())
+    out.update({n: float(v) for n, v, _ in means.iter_rows()})
+    steps = out.get("steps", float(m.filter(pl.col("step") > 0)["step"].n_unique()))
+    out["optimizer_steps"] = steps
+    config = read_manifest(metrics_dir).config or {}
+    if steps == 1 and config.get("recompute_old_logprobs", False):
+        for name in ROLLOUT_POLICY_METRICS:
+            out.pop(name, None)
+    return out
 
 
 def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
-    """Headline numbers of iteration k: reward, accuracy, length, truncation (from scores),
-    optimiser means (from metrics) and the held-out accuracy when it was evaluated."""
+    """The summary of iteration k (without stage times): reward, accuracy (scores), response
+    length and truncation (rollouts), optimiser metrics (metrics), held-out metrics (eval)."""
     import polars as pl
 
     it = Path(run_dir) / iteration_dir_name(k)
@@ -29,20 +105,39 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
         s = pl.from_arrow(read_table_artifact(it / "scores"))
         out["reward_mean"] = float(s["reward"].mean())
         out["reward_std"] = float(s["reward"].std() or 0.0)
-        out["response_length"] = float(s["response_length"].mean())
-        out["truncated_fraction"] = float((s["finish_reason"] == "length").mean())
         if ACCURACY_COMPONENT in s.columns:
             out["accuracy"] = float(s[ACCURACY_COMPONENT].mean())
+    if exists(it / "rollouts"):
+        r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=["response_token_ids", "finish_reason"]))
+        if r.height:
+            out["response_length"] = float(r["response_token_ids"].list.len().mean())
+            out["truncated_fraction"] = float((r["finish_reason"] == "length").mean())
     if exists(it / "metrics"):
-        m = pl.from_arrow(read_table_artifact(it / "metrics"))
-        steps = m.filter(pl.col("step") > 0).group_by("name").agg(pl.col("value").mean())
-        for name, value in steps.iter_rows():
-            if name in STEP_METRICS:
-                out[name] = float(value)
+        steps = step_metrics(it / "metrics")
+        out.update({n: steps[n] for n in (*OPTIMIZER_METRICS, "optimizer_steps") if n in steps})
     if exists(it / "eval"):
         for name, value in eval_metrics(it / "eval").items():
             out[f"eval_{name}"] = value
     return out
+
+
+def stage_seconds(iteration_dir: Path) -> dict[str, float]:
+    """seconds_<stage>: wall time of each stage of an iteration, from its artifacts' manifests (a
+    stage writing several artifacts, optimize: policy, critic, metrics, counts once)."""
+    wall: dict[str, float] = {}
+    for art in sorted(p for p in iteration_dir.iterdir() if (p / MANIFEST_NAME).is_file()):
+        try:
+            m = read_manifest(art)
+        except ArtifactError:
+            continue
+        wall[f"seconds_{m.stage}"] = max(wall.get(f"seconds_{m.stage}", 0.0), m.wall_time_s)
+    return wall
+
+
+def iteration_row(run_dir: Path | str, k: int) -> dict[str, float]:
+    """One row of `run_table`: the shown iteration number, the summary and the stage times."""
+    return {"iteration": shown_iteration(k), **iteration_metrics(run_dir, k),
+            **stage_seconds(Path(run_dir) / iteration_dir_name(k))}
 
 
 def eval_metrics(path: Path | str) -> dict[str, float]:
@@ -54,64 +149,140 @@ def eval_metrics(path: Path | str) -> dict[str, float]:
 
 
 def run_table(run_dir: Path | str):
-    """One row per iteration with every headline metric and the wall time of each stage."""
+    """One row per iteration (`iteration_row`), columns in the order of COLUMNS."""
     import polars as pl
 
-    run_dir = Path(run_dir)
-    rows = []
-    for k, it in iteration_dirs(run_dir):
-        row: dict[str, float] = {"iteration": k, **iteration_metrics(run_dir, k)}
-        for stage in ("rollouts", "scores", "reference", "advantages", "policy", "eval"):
-            if exists(it / stage):
-                row[f"seconds_{stage}"] = read_manifest(it / stage).wall_time_s
-        rows.append(row)
-    return pl.DataFrame(rows) if rows else pl.DataFrame()
+    rows = [iteration_row(run_dir, k) for k, _ in iteration_dirs(run_dir)]
+    if not rows:
+        return pl.DataFrame()
+    seen = {c for r in rows for c in r}
+    order = [c for c in COLUMNS if c in seen]
+    order += sorted(c for c in seen if c.startswith("eval_") and c not in COLUMNS)
+    order += sorted(c for c in seen if c.startswith("seconds_"))
+    order += sorted(seen - set(order))
+    return pl.DataFrame([{c: r.get(c) for c in order} for r in rows],
+                        schema={c: pl.Int64 if c == "iteration" else pl.Float64 for c in order})
 
 
-def write_report(run_dir: Path | str) -> Path:
-    """Write report/curves.png and report/metrics.md for the run; returns the report folder."""
-    import matplotlib
+def sample_completions(run_dir: Path | str, k: int, n: int = SAMPLES_PER_ITERATION):
+    """The first n completions of iteration k (by group, then sample): prompt, response, reward
+    (from scores; null before scoring), answer and finish reason."""
+    import polars as pl
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    it = Path(run_dir) / iteration_dir_name(k)
+    cols = ["group_id", "sample_index", "prompt", "response", "answer", "finish_reason"]
+    r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=cols)).sort("group_id", "sample_index").head(n)
+    if exists(it / "scores"):
+        s = pl.from_arrow(read_table_artifact(it / "scores", columns=["group_id", "sample_index", "reward"]))
+        r = r.join(s, on=["group_id", "sample_index"], how="left")
+    else:
+        r = r.with_columns(pl.lit(None, pl.Float64).alias("reward"))
+    return r.select("prompt", "response", pl.col("reward").cast(pl.Float64), "answer", "finish_reason")
+
+
+def shown_panels(table) -> list[str]:
+    """The PANELS that carry information for this run: columns present with at least one value."""
+    return [p for p in PANELS if p in table.columns and table[p].drop_nulls().len() > 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+def write_report(run_dir: Path | str, *, live: bool = False) -> Path:
+    """Write report/curves.png, report/metrics.md and report/index.html; returns the folder.
+
+    `live`: the run is still going (the page reloads itself every REFRESH_SECONDS). Each file is
+    written beside and renamed into place, so a reader never sees half a file."""
+    from rlpipe.pipelines.report_html import render_html
 
     run_dir = Path(run_dir)
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     table = run_table(run_dir)
     initial = eval_metrics(run_dir / INITIAL_EVAL_DIR) if exists(run_dir / INITIAL_EVAL_DIR) else {}
-    panels = [("reward_mean", "reward (mean)"), ("accuracy", "train accuracy"),
-              ("eval_accuracy", "held-out accuracy"), ("kl_ref", "KL to reference"),
-              ("approx_kl", "approx KL to old"), ("entropy", "entropy"),
-              ("response_length", "response length"), ("clip_fraction", "clip fraction")]
-    panels = [(k, t) for k, t in panels if k in table.columns]
-    n = max(len(panels), 1)
+    png = plot_curves(table, initial, f"rlpipe run {run_dir.name}")
+    _replace(out / "curves.png", png)
+    lines = [f"# Run {run_dir.name}", "", NOTE, ""]
+    if initial:
+        lines += ["Held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in initial.items()), ""]
+    lines.append(markdown_table(table))
+    _replace(out / "metrics.md", ("\n".join(lines) + "\n").encode())
+    iters = iteration_dirs(run_dir)
+    samples = None
+    latest = next((k for k, d in reversed(iters) if exists(d / "rollouts")), None)
+    if latest is not None:
+        samples = (shown_iteration(latest), sample_completions(run_dir, latest))
+    page = render_html(run_dir.name, table, png, initial, samples, live=live)
+    _replace(out / "index.html", page.encode())
+    return out
+
+
+#: How the report's numbers are defined, printed with them.
+NOTE = ("Iteration n is directory iter_{n-1:04d} (0: before training); optimiser metrics are means "
+        "over the iteration's optimizer steps; seconds_<stage>: wall time of each stage.")
+
+
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def plot_curves(table, initial: dict[str, float], title: str) -> bytes:
+    """curves.png, as bytes (see `curves_figure`)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(table, initial, title)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def curves_figure(table, initial: dict[str, float], title: str):
+    """One panel per `shown_panels` column against the shown iteration, integer ticks; held-out
+    accuracy starts at 0 with the evaluation before training. The caller closes the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = shown_panels(table) if not table.is_empty() else []
     cols = 4
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+    rows = max((len(panels) + cols - 1) // cols, 1)
+    # constrained layout: laid out during the one draw savefig makes (tight_layout draws twice)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False, layout="constrained")
+    for ax, key in zip(axes.flat, panels, strict=False):
         data = table.select("iteration", key).drop_nulls()
-        x = (data["iteration"] + 1).to_list()
-        y = data[key].to_list()
+        x, y = data["iteration"].to_list(), data[key].to_list()
         if key == "eval_accuracy" and "accuracy" in initial:
             x, y = [0, *x], [initial["accuracy"], *y]
         ax.plot(x, y, marker="o" if len(x) < 40 else None)
-        ax.set_title(title)
+        ax.set_title(COLUMNS[key][1])
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"rlpipe run {run_dir.name}")
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=80)
-    plt.close(fig)
-    lines = [f"# Run {run_dir.name}", ""]
-    if initial:
-        lines.append("Held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in initial.items()))
-        lines.append("")
-    lines.append(markdown_table(table))
-    (out / "metrics.md").write_text("\n".join(lines) + "\n")
-    return out
+    if not panels:
+        axes.flat[0].text(0.5, 0.5, "no iterations yet", ha="center", va="center")
+    fig.suptitle(title)
+    return fig
+
+
+def format_value(value: Any) -> str:
+    """A summary cell: floats to 4 significant digits, missing as '-'."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def printable(text: str) -> str:
+    """Text on one line: control and line-separator characters as escapes ('\\n', '\\x1e')."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def markdown_table(table) -> str:
@@ -120,8 +291,5 @@ def markdown_table(table) -> str:
         return "(no iterations yet)"
     head = "| " + " | ".join(table.columns) + " |"
     sep = "|" + "---|" * len(table.columns)
-    body = []
-    for row in table.iter_rows():
-        cells = ["" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)) for v in row]
-        body.append("| " + " | ".join(cells) + " |")
+    body = ["| " + " | ".join(format_value(v) for v in row) + " |" for row in table.iter_rows()]
     return "\n".join([head, sep, *body])

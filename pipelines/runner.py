@@ -10,6 +10,7 @@ are not recomputed, unfinished ones are recomputed from scratch.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from rlpipe.pipelines.plan import Plan, StageCall
 from rlpipe.pipelines.preset import Preset
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import atomic_write_bytes
-from rlpipe.schemas.config import ConfigError, StageConfig
+from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
 from rlpipe.schemas.runs import iteration_dirs
 from rlpipe.stages import get_stage
 
@@ -74,7 +75,7 @@ class Pipeline:
     def execute(self, call: StageCall) -> Manifest:
         """Save the call's config as YAML (so the stage can be rerun alone: `rlpipe stage <name> -c
         <that file>`) and run it through `call`, timing it."""
-        _write_if_changed(call.config_file, yaml.safe_dump(call.config.resolved(), sort_keys=False))
+        _write_if_changed(call.config_file, yaml.safe_dump(_relative_paths(call.config, call.config_dir), sort_keys=False))
         started = time.perf_counter()
         manifest = self.call(call.name, call.config)
         self._seconds[call.name] = self._seconds.get(call.name, 0.0) + time.perf_counter() - started
@@ -87,8 +88,12 @@ class Pipeline:
             return self._run()
 
     def _run(self) -> list[IterationRecord]:
+        from rlpipe.pipelines.sinks import RunMonitor
+
         p, L = self.preset, self.layout
+        self.plan.check_inputs()
         self._start_run_dir()
+        monitor = RunMonitor(p, L.root)  # metric sinks + the report, after every iteration
         for call in self.plan.setup():
             self.execute(call)
         self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(self._seconds)})")
@@ -100,24 +105,29 @@ class Pipeline:
             record = self._record(k, time.perf_counter() - started)
             self.records.append(record)
             self.log(self._line(record))
+            monitor.on_iteration(record)
             if self.on_iteration is not None:
                 self.on_iteration(record)
-        from rlpipe.pipelines.report import write_report
-
-        write_report(L.root)
+        monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
 
     def _start_run_dir(self) -> None:
         L = self.layout
         L.root.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(self.preset.model_dump(mode="json"), sort_keys=False)
-        if L.preset_file.is_file() and L.preset_file.read_text() != text:
-            raise ConfigError(
-                f"{L.root} holds a run of a different preset ({L.preset_file} differs); "
-                f"pass another run directory (--run-dir DIR) or delete {L.root} to start over"
-            )
-        _write_if_changed(L.preset_file, text)
+        preset = self.preset.model_dump(mode="json")
+        if L.preset_file.is_file():
+            # The same preset with another number of iterations extends (or reruns a prefix of) the
+            # run: every finished stage is a cache hit; where metrics go changes no result either.
+            # Anything else is another run.
+            before = yaml.safe_load(L.preset_file.read_text()) or {}
+            changed = sorted(k for k in {*before, *preset} - _NOT_THE_RUN if before.get(k) != preset.get(k))
+            if changed:
+                raise ConfigError(
+                    f"{L.root} holds a run of a different preset ({L.preset_file} differs in {', '.join(changed)}); "
+                    f"pass another run directory (--run-dir DIR) or delete {L.root} to start over"
+                )
+        _write_if_changed(L.preset_file, yaml.safe_dump(preset, sort_keys=False))
 
     # -- what the user sees ----------------------------------------------------------------
     def _record(self, k: int, total: float) -> IterationRecord:
@@ -150,6 +160,17 @@ class Pipeline:
     def _last_eval(self) -> Path | None:
         evals = [d / "eval" for _, d in iteration_dirs(self.layout.root) if (d / "eval").exists()]
         return evals[-1] if evals else self.layout.initial_eval()
+
+
+#: Preset keys that do not change what a run computes: a finished run reruns with new values.
+_NOT_THE_RUN = {"iterations", "loggers", "description"}
+
+
+def _relative_paths(config: StageConfig, folder: Path) -> dict:
+    """The config as YAML data with every path relative to `folder` (where the YAML goes): a
+    saved config then reruns from any directory, and from a moved or copied run folder."""
+    rel = map_paths(config, lambda _, p: Path(os.path.relpath(p.absolute(), folder.absolute())))
+    return rel.resolved()
 
 
 def _write_if_changed(path: Path, text: str) -> None:

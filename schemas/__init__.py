@@ -6,7 +6,7 @@ Imports only pyarrow, pydantic and PyYAML, so CPU-only workers can read and chec
 from rlpipe.schemas.advantages import ADVANTAGES
 from rlpipe.schemas.columns import LOGPROBS, TOKEN_IDS, ArtifactSchema, Column, ColumnFamily
 from rlpipe.schemas.config import ConfigError, StageConfig, load_config, parse_config
-from rlpipe.schemas.errors import ArtifactError, ArtifactNotFound, SchemaMismatch
+from rlpipe.schemas.errors import ArtifactError, ArtifactNotFound, SchemaMismatch, UserError
 from rlpipe.schemas.manifest import MANIFEST_NAME, InputRef, Manifest, cache_key
 from rlpipe.schemas.metrics import METRICS
 from rlpipe.schemas.preferences import PREFERENCES
@@ -44,7 +44,7 @@ __all__ = [
     "PROMPTS", "REFERENCE", "ROLLOUTS", "SCHEMAS", "SCORES", "TOKEN_IDS", "ArtifactError", "ArtifactNotFound",
     "ArtifactSchema", "ArtifactWriter", "Column", "ColumnFamily", "ConfigError", "InputRef",
     "Manifest", "StageConfig", "load_config", "parse_config",
-    "SchemaMismatch", "cache_key", "cached_manifest", "commit_directory", "exists", "iter_shards",
+    "SchemaMismatch", "UserError", "cache_key", "cached_manifest", "commit_directory", "exists", "iter_shards",
     "iteration_dir_name", "iteration_dirs", "iteration_index",
     "read_manifest", "read_shard", "read_table_artifact", "run_artifacts", "run_dataset",
     "scan_artifact", "scan_run", "shard_name", "split_rows", "validate_artifact",

@@ -14,6 +14,7 @@ the `reward` column keeps R unpenalised. The manifest's `extra` holds the batch 
 import pyarrow as pa
 
 from rlpipe.schemas.columns import LOGPROBS, ArtifactSchema, Column
+from rlpipe.schemas.rollouts import ROLLOUTS
 
 ADVANTAGES = ArtifactSchema(
     name="advantages",
@@ -63,5 +64,5 @@ ADVANTAGES = ArtifactSchema(
             "gamma/lam/whiten/eps) plus kl_estimator, kl_in_reward and kl_beta.",
         ),
     ),
-    key=("iteration", "group_id", "sample_index"),
+    key=ROLLOUTS.key,
 )

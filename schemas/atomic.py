@@ -30,6 +30,18 @@ def atomic_write_bytes(path: Path, data: bytes | pa.Buffer, *, fsync: bool = Fal
     os.replace(tmp, path)
 
 
+def content_sha256(path: Path | str) -> str:
+    """sha256 of a file's bytes, or of every file of a directory (relative path + bytes, sorted):
+    the identity of data by content, whatever it is called or wherever it lies."""
+    path = Path(path)
+    if not path.is_dir():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode() + b"\0" + sha256_file(f).encode())
+    return h.hexdigest()
+
+
 def sha256_file(path: Path) -> str:
     """Hex SHA-256 of a file's bytes, read in 4 MiB chunks."""
     h = hashlib.sha256()

@@ -7,13 +7,27 @@ Field docs are attribute docstrings (shown by `--help` and recorded in the schem
 
 from __future__ import annotations
 
+import os
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+
+from rlpipe.schemas.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,34 @@ def _marked(cls: type[BaseModel], marker: type) -> dict[str, Any]:
     return {name: m for name, info in cls.model_fields.items() for m in info.metadata if isinstance(m, marker)}
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Named variants: a config knob that picks one of several algorithms, each with its own knobs
+# ---------------------------------------------------------------------------------------------
+class Variant(BaseModel):
+    """One variant of a union tagged by `name` (`{name: gae, lam: 0.9}`); its fields are its knobs.
+
+    A union of variants is written `Annotated[A | B, Field(discriminator="name"),
+    BeforeValidator(name_shorthand)]`, so a bare string is accepted for `{name: <string>}`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def knobs(self) -> dict[str, Any]:
+        """The variant's knobs (every field but `name`), as keyword arguments of its function."""
+        return {k: getattr(self, k) for k in type(self).model_fields if k != "name"}
+
+
+def name_shorthand(value: Any) -> Any:
+    """Before-validator of a union tagged by `name`: the string `rloo` stands for `{name: rloo}`."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+"""A user function's import path, 'package.module:function' (imported when it is first needed)."""
+
+
 class StageConfig(BaseModel):
     """Base of every config: immutable, unknown keys rejected, field docs from docstrings.
 
@@ -56,6 +98,13 @@ class StageConfig(BaseModel):
     def resolved(self) -> dict[str, Any]:
         """JSON-able dict of every field, defaults included: what manifests record."""
         return self.model_dump(mode="json")
+
+    def cache_dict(self) -> dict[str, Any]:
+        """What decides the work, for the cache key: the resolved config without its input and
+        output paths (inputs enter the key by content hash; where the output goes changes
+        nothing), so a copied or moved run directory reruns as cache hits."""
+        io = {*self.input_fields(), *self.output_fields()}
+        return {k: v for k, v in self.resolved().items() if k not in io}
 
     @classmethod
     def input_fields(cls) -> dict[str, Input]:
@@ -96,30 +145,80 @@ class StageConfig(BaseModel):
                 if other_name < o_name and Path(other).absolute() == o:
                     raise ValueError(f"outputs {other_name!r} and {o_name!r} are the same path ({out})")
         return self
+    @field_validator("*", mode="before")
+    @classmethod
+    def _default_variant_name(cls, value: Any, info: ValidationInfo) -> Any:
+        """A mapping without `name` for a field whose default is a named variant keeps the default's
+        name: `loss.eps_high=0.28` alone tunes the default loss."""
+        default = cls.model_fields[info.field_name].default if info.field_name else None
+        if isinstance(default, Variant) and isinstance(value, Mapping) and "name" not in value:
+            return {"name": default.name, **value}
+        return value
 
 
 C = TypeVar("C", bound=BaseModel)
 
 
-class ConfigError(ValueError):
+def union_tags(union: Any, discriminator: str = "name") -> dict[str, type[BaseModel]]:
+    """tag -> variant class of a union tagged by `discriminator` (an `Annotated` union or a bare one)."""
+    if typing.get_origin(union) is Annotated:
+        union = typing.get_args(union)[0]
+    out = {}
+    for variant in typing.get_args(union):
+        for tag in typing.get_args(variant.model_fields[discriminator].annotation):
+            out[tag] = variant
+    return out
+
+
+def _discriminator(field: Any) -> tuple[Any, str | None]:
+    """(type, discriminator) of a field annotation or an `Annotated[...]` list item."""
+    if isinstance(field, FieldInfo):
+        return field.annotation, field.discriminator if isinstance(field.discriminator, str) else None
+    if typing.get_origin(field) is Annotated:
+        inner, *meta = typing.get_args(field)
+        disc = next((m.discriminator for m in meta if isinstance(m, FieldInfo) and isinstance(m.discriminator, str)), None)
+        return inner, disc
+    return field, None
+
+
+def _walk(cls: type[BaseModel], loc: Sequence[str | int]) -> tuple[list[str | int], Any]:
+    """An error location with the variant tags pydantic inserts left out, and the type at its end.
+
+    pydantic locates an error in a tagged union as ('estimator', 'gae', 'lam'); users wrote
+    `estimator.lam`, so the tag 'gae' is dropped from the key the message names.
+    """
+    node: Any = cls
+    disc: str | None = None
+    out: list[str | int] = []
+    for part in loc:
+        if disc is not None and isinstance(part, str) and part in (tags := union_tags(node, disc)):
+            node, disc = tags[part], None  # the tag pydantic inserted: not a key the user wrote
+            continue
+        out.append(part)
+        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node, disc = _discriminator(node.model_fields[part])
+        elif isinstance(part, int) and typing.get_origin(node) in (list, tuple) and typing.get_args(node):
+            node, disc = _discriminator(typing.get_args(node)[0])
+        else:
+            node, disc = None, None
+    return out, node
+
+
+class ConfigError(UserError, ValueError):
     """A config could not be loaded; the message names each bad key and what it allows."""
 
 
 def _fields_at(cls: type[BaseModel], loc: Sequence[str | int]) -> list[str] | None:
     """The field names of the (nested) model at `loc` (the error's location minus its last part)."""
-    model: Any = cls
-    for part in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return None
-        model = model.model_fields[part].annotation
+    model = _walk(cls, loc)[1]
     if isinstance(model, type) and issubclass(model, BaseModel):
         return sorted(model.model_fields)
     return None
 
 
 def _describe(cls: type[BaseModel], err: Mapping[str, Any]) -> str:
-    loc = [p for p in err["loc"]]
-    key = ".".join(str(p) for p in loc) or "<root>"
+    loc = list(err["loc"])
+    key = ".".join(str(p) for p in _walk(cls, loc)[0]) or "<root>"
     if err["type"] == "extra_forbidden":
         allowed = _fields_at(cls, loc[:-1])
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
@@ -169,6 +268,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         parts = key.split(".")
         for part in parts[:-1]:
             child = node.get(part)
+            if isinstance(child, str):  # `estimator: gae` then `estimator.lam=0.9`: {name: gae, lam: 0.9}
+                child = name_shorthand(child)
+                node[part] = child
             if not isinstance(child, dict):
                 child = {}
                 node[part] = child
@@ -185,13 +287,68 @@ def load_config(
     cls: type[C], path: Path | str | None = None, overrides: Sequence[str] = (),
     base: Mapping[str, Any] | None = None,
 ) -> C:
-    """Build a config from `base`, then a YAML file, then `key=value` overrides (later wins)."""
+    """Build a config from `base`, then a YAML file, then `key=value` overrides (later wins).
+
+    A relative path written in the YAML file is relative to the file's folder (so a run's saved
+    `configs/<stage>.yaml` works from any directory and after the run folder is moved); a relative
+    path given as an override is relative to the current directory.
+    """
     data: dict[str, Any] = _deepcopy(base or {})
+    from_file: dict[str, Any] = {}
     if path is not None:
-        data = _merge(data, load_yaml(path))
+        from_file = load_yaml(path)
+        data = _merge(data, from_file)
     data = apply_overrides(data, overrides)
     source = str(path) if path is not None else "overrides"
-    return parse_config(cls, data, source)
+    config = parse_config(cls, data, source)
+    if path is None:
+        return config
+    folder = Path(path).parent
+
+    def rebase(loc: tuple[str | int, ...], value: Path) -> Path:
+        written = _at(from_file, loc)
+        came_from_file = written is not None and str(written) == str(value) and _at(data, loc) == written
+        if not came_from_file or value.is_absolute():
+            return value
+        return Path(os.path.normpath(folder / value))
+
+    # Validate again: checks that compare paths (an output apart from the inputs) see the real ones.
+    return parse_config(cls, map_paths(config, rebase).model_dump(), source)
+
+
+def map_paths(model: C, fn: Any, loc: tuple[str | int, ...] = ()) -> C:
+    """A copy of `model` with every Path field value v (nested models and lists included)
+    replaced by fn(location, v)."""
+    update: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        new = _map_value(value, fn, (*loc, name))
+        if new is not value:
+            update[name] = new
+    return model.model_copy(update=update) if update else model
+
+
+def _map_value(value: Any, fn: Any, loc: tuple[str | int, ...]) -> Any:
+    if isinstance(value, Path):
+        return fn(loc, value)
+    if isinstance(value, BaseModel):
+        return map_paths(value, fn, loc)
+    if isinstance(value, (list, tuple)):
+        new = [_map_value(v, fn, (*loc, i)) for i, v in enumerate(value)]
+        return value if all(a is b for a, b in zip(new, value, strict=True)) else type(value)(new)
+    return value
+
+
+def _at(data: Any, loc: Sequence[str | int]) -> Any:
+    """data[loc[0]][loc[1]]...; None where the location does not exist."""
+    for part in loc:
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
 
 
 def _merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,6 +365,17 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(describe_fields(ann, f"{prefix}{name}."))
+            continue
+        union, disc = _discriminator(info)
+        if disc is not None and typing.get_origin(union) in (typing.Union, types.UnionType):
+            # A tagged union: the key names the variant; each variant's knobs follow, marked by tag.
+            tags = union_tags(union, disc)
+            default = info.get_default(call_default_factory=True)
+            shown = "required" if info.is_required() else repr(getattr(default, disc, default))
+            rows.append((f"{prefix}{name}", " | ".join(tags), shown, info.description or ""))
+            for tag, variant in tags.items():
+                rows.extend((k, t, d, f"[{disc}={tag}] {doc}")
+                            for k, t, d, doc in describe_fields(variant, f"{prefix}{name}.") if k != f"{prefix}{name}.{disc}")
             continue
         default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
         type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")

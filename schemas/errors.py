@@ -1,4 +1,5 @@
-"""The errors of artifact IO: one base class, a missing artifact, a shard that does not match."""
+"""User errors, and the errors of artifact IO: one base class, a missing artifact, a shard that does
+not match."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-class ArtifactError(Exception):
-    """Base class of artifact errors."""
+class UserError(Exception):
+    """A mistake in what the user gave (a config, a file, data, a reward function): the message
+    names the file, key or row and says what to do. Command lines print it as one `error:`
+    paragraph and exit 2 without a traceback (`--debug` shows it); Prefect does not retry it (the
+    same input fails the same way)."""
+
+
+class ArtifactError(UserError):
+    """Base class of artifact errors (missing, incomplete, tampered or mismatched artifacts)."""
 
 
 class ArtifactNotFound(ArtifactError):

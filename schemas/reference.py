@@ -2,12 +2,13 @@
 
 Alignment: both lists have the same length as the rollout's `response_token_ids`.
 Shards: one per rollouts shard, same index and row order. Written by the `reference` step
-(`rlpipe.stages.advantage.reference`).
+(`rlpipe.stages.reference`).
 """
 
 import pyarrow as pa
 
 from rlpipe.schemas.columns import LOGPROBS, ArtifactSchema, Column
+from rlpipe.schemas.rollouts import ROLLOUTS
 
 REFERENCE = ArtifactSchema(
     name="reference",
@@ -33,5 +34,5 @@ REFERENCE = ArtifactSchema(
             nullable=True,
         ),
     ),
-    key=("iteration", "group_id", "sample_index"),
+    key=ROLLOUTS.key,
 )

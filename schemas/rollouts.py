@@ -23,7 +23,7 @@ SAMPLING = pa.struct(
 
 ROLLOUTS = ArtifactSchema(
     name="rollouts",
-    version=1,
+    version=2,
     doc="Sampled responses, G per prompt (a group), with behaviour-policy token log-probs.",
     columns=(
         Column("run", pa.string(), "Run name the rollouts belong to."),
@@ -40,8 +40,10 @@ ROLLOUTS = ArtifactSchema(
             "Index of the prompt within this iteration; the G samples of a prompt share it.",
         ),
         Column("sample_index", pa.int32(), "Index of the sample within its group, 0..G-1."),
-        Column("prompt", pa.string(), "Prompt text."),
-        Column("prompt_token_ids", TOKEN_IDS, "Prompt token ids (BOS included if the tokenizer adds it)."),
+        Column("prompt", pa.string(), "Prompt text as in the prompts artifact (before any chat template; "
+               "prompt_token_ids are the tokens the policy saw)."),
+        Column("prompt_token_ids", TOKEN_IDS, "Prompt token ids (BOS included if the tokenizer adds it; "
+               "after the chat template when the rollout applied one)."),
         Column(
             "answer",
             pa.string(),
@@ -74,6 +76,13 @@ ROLLOUTS = ArtifactSchema(
             pa.int64(),
             "Seed the group was sampled with: derived from (stage seed, iteration, group_id) by "
             "rlpipe.stages.rollout.core.group_seed, so it does not depend on batches, shards or workers.",
+        ),
+        Column(
+            "metadata",
+            pa.string(),
+            "The prompt's metadata JSON object copied from the prompts artifact (test cases, choices, "
+            "a reference solution, ...), for verifiers and user reward functions; null if none.",
+            nullable=True,
         ),
     ),
     key=("iteration", "group_id", "sample_index"),

@@ -7,6 +7,7 @@ R = sum_k w_k * r_k (ALGORITHMS.md section 3). Each component r_k (unweighted) i
 import pyarrow as pa
 
 from rlpipe.schemas.columns import ArtifactSchema, Column, ColumnFamily
+from rlpipe.schemas.rollouts import ROLLOUTS
 
 SCORES = ArtifactSchema(
     name="scores",
@@ -29,5 +30,5 @@ SCORES = ArtifactSchema(
             "Unweighted value r_k of one reward component (the column suffix is the component name).",
         ),
     ),
-    key=("iteration", "group_id", "sample_index"),
+    key=ROLLOUTS.key,
 )

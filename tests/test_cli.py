@@ -89,7 +89,7 @@ def test_validate_ok_and_invalid(run_dir):
     art = run_dir / "iter_0000" / "rollouts"
     r = invoke("validate", art)
     assert r.exit_code == 0
-    assert r.output.strip().startswith(f"OK {art}: table rollouts v1, 8 rows in 2 shard(s), stage rollout")
+    assert r.output.strip().startswith(f"OK {art}: table rollouts v{ROLLOUTS.version}, 8 rows in 2 shard(s), stage rollout")
     assert invoke("validate", art, "--schema", "scores").exit_code == 1
     # a shard replaced by one missing a column: exit 1, the file and the column named
     shard = art / "part-00001.parquet"
@@ -143,23 +143,23 @@ def test_inspect_truncates_long_values(tmp_path):
 
 
 def test_run_summary_values(run_dir):
-    df = run_summary(run_dir)
-    assert df["iteration"].to_list() == [0, 1, 2, 3]
+    df = run_summary(run_dir, ["policy_loss"])
+    assert df["iteration"].to_list() == [1, 2, 3, 4]  # shown numbering: iteration n is iter_{n-1:04d}
     assert df["rollouts"].to_list() == [8, 8, 8, None]
     assert df["groups"].to_list() == [2, 2, 2, None]
     assert df["reward_mean"].to_list() == [pytest.approx(0.5), pytest.approx(0.75), None, None]
-    assert df["policy_loss"].to_list() == [0.5, -0.5, None, None]  # last step's value
+    assert df["policy_loss"].to_list() == [0.5, -0.5, None, None]  # mean over the optimizer steps (one)
     assert df["clip_fraction"].to_list() == [0.0, pytest.approx(0.1), None, None]
     assert df["artifacts"].to_list()[2:] == ["rollouts", "rollouts!"]
     expected_trunc = [(example_table(ROLLOUTS, 8, iteration=k, seed=k).column("finish_reason").to_pylist().count("length")) / 8
                       for k in range(3)]
-    assert df["truncated"].to_list()[:3] == pytest.approx(expected_trunc)
+    assert df["truncated_fraction"].to_list()[:3] == pytest.approx(expected_trunc)
 
 
 def test_inspect_run_dir(run_dir):
     r = invoke("inspect", run_dir)
     assert r.exit_code == 0, r.output
-    assert "4 iteration(s)" in r.output and "policy_loss" in r.output and "rollouts!" in r.output
+    assert "4 iteration(s)" in r.output and "clip" in r.output and "rollouts!" in r.output
     assert "data/prompts_train" in r.output  # artifacts outside the iterations are listed
     r = invoke("inspect", run_dir, "--metric", "nope")
     assert r.exit_code == 1 and "metric(s) ['nope'] not logged" in r.output
@@ -182,7 +182,7 @@ def test_run_summary_wall_time_counts_each_stage_once(tmp_path):
 def test_inspect_run_with_only_rollouts(tmp_path):
     write_table_artifact(tmp_path / "iter_0000" / "rollouts", ROLLOUTS, example_table(ROLLOUTS, 4), stage="rollout")
     df = run_summary(tmp_path)
-    assert df.columns == ["iteration", "artifacts", "wall_s", "rollouts", "groups", "response_len_mean", "truncated"]
+    assert df.columns == ["iteration", "artifacts", "wall_s", "rollouts", "groups", "response_length", "truncated_fraction"]
     assert invoke("inspect", tmp_path).exit_code == 0
 
 

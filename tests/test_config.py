@@ -2,17 +2,21 @@
 what it allows."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from rlpipe.schemas.config import (
     ConfigError,
     StageConfig,
+    Variant,
     apply_overrides,
     describe_fields,
     load_config,
+    name_shorthand,
+    union_tags,
 )
 
 
@@ -47,10 +51,13 @@ def _yaml(tmp_path, text):
 def test_yaml_then_overrides(tmp_path):
     path = _yaml(tmp_path, "output: runs/x\ngroup_size: 4\nsampling:\n  temperature: 0.7\n")
     cfg = load_config(DemoConfig, path, ["sampling.max_new_tokens=32", "engine=vllm", "seed=3"])
-    assert cfg.output == Path("runs/x") and cfg.group_size == 4 and cfg.engine == "vllm" and cfg.seed == 3
+    # A relative path in the file is relative to the file's folder.
+    assert cfg.output == tmp_path / "runs/x" and cfg.group_size == 4 and cfg.engine == "vllm" and cfg.seed == 3
     assert cfg.sampling == Sampling(temperature=0.7, max_new_tokens=32)  # nested merge keeps temperature
-    assert cfg.resolved() == {"output": "runs/x", "engine": "vllm", "group_size": 4, "seed": 3,
+    assert cfg.resolved() == {"output": str(tmp_path / "runs/x"), "engine": "vllm", "group_size": 4, "seed": 3,
                               "sampling": {"temperature": 0.7, "max_new_tokens": 32}}
+    # ... and one given as an override is relative to the current directory.
+    assert load_config(DemoConfig, path, ["output=runs/y"]).output == Path("runs/y")
     with pytest.raises(ValidationError, match="frozen"):
         cfg.seed = 4  # type: ignore[misc]
     # later wins: an override beats the file, the file beats `base`
@@ -113,3 +120,74 @@ def test_describe_fields_flattens_nested_models():
     assert rows["output"] == ("Path", "required", "Where the artifact goes.")
     assert rows["sampling.temperature"] == ("float", "1.0", "Softmax temperature.")
     assert rows["group_size"][1:] == ("8", "Samples per prompt.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Unions tagged by `name`: each variant owns its knobs; a bare name is shorthand
+# ---------------------------------------------------------------------------------------------
+class Adam(Variant):
+    name: Literal["adam"] = "adam"
+    """Name."""
+    beta: float = Field(0.9, ge=0, lt=1)
+    """Momentum."""
+
+
+class Sgd(Variant):
+    name: Literal["sgd"] = "sgd"
+    """Name."""
+    momentum: float = 0.0
+    """Momentum."""
+
+
+class TaggedConfig(StageConfig):
+    output: Path
+    """Where the artifact goes."""
+    optimizer: Annotated[Adam | Sgd, Field(discriminator="name"), BeforeValidator(name_shorthand)] = Adam()
+    """The optimizer and its knobs."""
+
+
+def test_tagged_union_shorthand_overrides_and_defaults(tmp_path):
+    assert load_config(TaggedConfig, None, ["output=x"]).optimizer == Adam(beta=0.9)
+    assert load_config(TaggedConfig, None, ["output=x", "optimizer=sgd"]).optimizer == Sgd()
+    assert load_config(TaggedConfig, None, ["output=x", "optimizer.name=sgd", "optimizer.momentum=0.5"]).optimizer == Sgd(momentum=0.5)
+    # a mapping without `name` tunes the default variant
+    assert load_config(TaggedConfig, None, ["output=x", "optimizer.beta=0.5"]).optimizer == Adam(beta=0.5)
+    # a bare name in the file, then a dotted override into it: {name: sgd, momentum: 0.1}
+    path = _yaml(tmp_path, "output: x\noptimizer: sgd\n")
+    assert load_config(TaggedConfig, path, ["optimizer.momentum=0.1"]).optimizer == Sgd(momentum=0.1)
+    # what is saved is the nested form, and it loads back with the same overrides
+    saved = load_config(TaggedConfig, None, ["output=x", "optimizer.beta=0.5"]).resolved()
+    assert saved["optimizer"] == {"name": "adam", "beta": 0.5}
+    path = _yaml(tmp_path, yaml.safe_dump(saved))
+    assert load_config(TaggedConfig, path, ["optimizer=sgd"]).optimizer == Sgd()
+    assert load_config(TaggedConfig, path, ["optimizer.beta=0.1"]).optimizer == Adam(beta=0.1)
+
+
+def test_tagged_union_errors_name_the_key_the_user_wrote():
+    with pytest.raises(ConfigError) as e:
+        load_config(TaggedConfig, None, ["output=x", "optimizer.name=sgd", "optimizer.beta=0.5"])
+    assert "unknown key 'optimizer.beta'; allowed keys: momentum, name" in str(e.value)  # not 'optimizer.sgd.beta'
+    with pytest.raises(ConfigError) as e:
+        load_config(TaggedConfig, None, ["output=x", "optimizer.beta=1.5"])
+    assert "key 'optimizer.beta': Input should be less than 1 (got 1.5)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(TaggedConfig, None, ["output=x", "optimizer=lion"])
+    assert "key 'optimizer'" in str(e.value) and "'lion'" in str(e.value) and "'adam', 'sgd'" in str(e.value)
+
+
+def test_describe_fields_lists_each_variants_knobs():
+    rows = {(k, doc.split("]")[0]): (t, d) for k, t, d, doc in describe_fields(TaggedConfig)}
+    assert rows[("optimizer", "The optimizer and its knobs.")] == ("adam | sgd", "'adam'")
+    assert rows[("optimizer.beta", "[name=adam")] == ("float", "0.9")
+    assert rows[("optimizer.momentum", "[name=sgd")] == ("float", "0.0")
+    assert union_tags(TaggedConfig.model_fields["optimizer"].annotation) == {"adam": Adam, "sgd": Sgd}
+
+
+def test_algorithm_configs_import_without_torch():
+    # The CLI parses configs before heavy imports: the variant classes must live in light modules.
+    import subprocess
+    import sys
+
+    code = ("import sys, rlpipe.stages.advantage.config, rlpipe.stages.optimize.config, rlpipe.stages.score.config; "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)

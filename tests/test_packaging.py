@@ -25,7 +25,16 @@ def test_package_list_matches_folders():
             found.add(".".join([pkg, *rel.parts]))
     listed = set(cfg["packages"])
     assert found - listed == set(), f"folders with __init__.py missing from pyproject packages: {sorted(found - listed)}"
-    assert listed - found == set(), f"pyproject packages without a folder: {sorted(listed - found)}"
+    # The other listed packages are data folders: no Python in them, their files in package-data.
+    for pkg in sorted(listed - found):
+        parent, _, name = pkg.rpartition(".")
+        folder = ROOT / dirs[parent] / name
+        assert folder.is_dir(), f"pyproject package {pkg} has no folder ({folder})"
+        assert not list(folder.glob("*.py")), f"{folder} holds Python files but no __init__.py"
+        patterns = cfg["package-data"].get(pkg)
+        assert patterns, f"data package {pkg} has no package-data entry: its files would not ship"
+        files = {f for p in patterns for f in folder.glob(p) if f.is_file()}
+        assert files == {f for f in folder.iterdir() if f.is_file()}, f"package-data of {pkg} misses files"
 
 
 def test_every_top_level_folder_is_mapped():

@@ -3,14 +3,104 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from rlpipe.schemas.config import Input, Output, StageConfig
+from rlpipe.schemas.config import ImportRef, Input, Output, StageConfig, Variant, name_shorthand
 
-#: The names in `rlpipe.stages.advantage.estimators.ADVANTAGE_ESTIMATORS` (a test keeps them equal).
-EstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gae"]
+StdKind = Literal["sample", "population"]
+ScaleKind = Literal["group", "batch", "none"]
+
+STD_EPS = 1e-6
+"""eps of `x / (std + eps)`: keeps a division by a (near-)zero standard deviation finite."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators: one variant per algorithm, each registered with its function in estimators.py
+# (`@register_estimator(<variant>)`; a test keeps the tags equal to the registry's names).
+# ---------------------------------------------------------------------------------------------
+class _Estimator(Variant):
+    needs_values: ClassVar[bool] = False
+    """True when the estimator reads critic values (a reference artifact with `values`)."""
+
+
+class GRPOEstimator(_Estimator):
+    """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps), the same on every token."""
+
+    name: Literal["grpo"] = "grpo"
+    """Estimator name."""
+    std: StdKind = "sample"
+    """Std of a group with n - 1 ('sample', as TRL and verl) or n ('population')."""
+    scale: ScaleKind = "group"
+    """Divide by the group's std, the batch's std, or not at all."""
+    eps: float = Field(STD_EPS, gt=0, allow_inf_nan=False)
+    """Added to the std before dividing."""
+
+
+class DrGRPOEstimator(_Estimator):
+    """Dr. GRPO (Liu et al. 2025): A_i = r_i - mean_g (no std scaling)."""
+
+    name: Literal["dr_grpo"] = "dr_grpo"
+    """Estimator name."""
+
+
+class RLOOEstimator(_Estimator):
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j over the group."""
+
+    name: Literal["rloo"] = "rloo"
+    """Estimator name."""
+
+
+class ReinforcePPBaselineEstimator(_Estimator):
+    """REINFORCE++-baseline (Hu et al. 2025): r_i - mean_g on every token, whitened over the batch."""
+
+    name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
+    """Estimator name."""
+    eps: float = Field(STD_EPS, gt=0, allow_inf_nan=False)
+    """Added to the batch std before dividing."""
+
+
+class GAEEstimator(_Estimator):
+    """GAE (Schulman et al. 2016) on critic values: A_t = delta_t + gamma * lam * A_{t+1}."""
+
+    needs_values: ClassVar[bool] = True
+    name: Literal["gae"] = "gae"
+    """Estimator name."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount gamma."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    whiten: bool = True
+    """Whiten the advantages over the masked batch (returns stay unwhitened)."""
+    eps: float = Field(STD_EPS, gt=0, allow_inf_nan=False)
+    """Added to the std when whitening."""
+
+
+class CustomEstimator(_Estimator):
+    """A user estimator `fn(inputs, **kwargs) -> advantages`, imported from `function`.
+
+    `inputs` is an `rlpipe.stages.advantage.estimators.AdvantageInputs` (float64 tensors; B
+    responses, T = longest response): rewards (B,), group_ids (B,) int64, mask (B, T) with 1.0 on
+    real tokens, token_rewards (B, T), values (B, T) or None. `fn` returns the advantages: a (B,)
+    tensor (one per response, put on each of its tokens) or a (B, T) tensor (per token; padding is
+    zeroed). Anything else stops the stage with an error naming `function`.
+    """
+
+    name: Literal["custom"] = "custom"
+    """Estimator name."""
+    function: ImportRef
+    """Import path 'package.module:function' of the estimator (importable where the stage runs)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed on every call (JSON-able; recorded in the artifact)."""
+
+
+EstimatorConfig = Annotated[
+    GRPOEstimator | DrGRPOEstimator | RLOOEstimator | ReinforcePPBaselineEstimator | GAEEstimator | CustomEstimator,
+    Field(discriminator="name"),
+    BeforeValidator(name_shorthand),
+]
+"""An advantage estimator and its knobs: `{name: gae, lam: 0.9}`, or just its name (`rloo`)."""
 
 
 class KLConfig(BaseModel):
@@ -49,20 +139,9 @@ class AdvantageConfig(StageConfig):
     """Input rollouts artifact (behaviour log-probs); needed for any KL (kl.in_reward, kl column)."""
     reference: Annotated[Path | None, Input("reference")] = None
     """Input reference artifact (reference log-probs and/or critic values); gae needs its values."""
-    estimator: EstimatorName = "grpo"
-    """Advantage estimator (registry name): grpo, dr_grpo, rloo, reinforce_pp_baseline, gae."""
-    std: Literal["sample", "population"] = "sample"
-    """grpo: std of a group with n - 1 ('sample', as TRL and verl) or n ('population')."""
-    scale: Literal["group", "batch", "none"] = "group"
-    """grpo: divide by the group's std, the batch's std, or not at all."""
-    eps: float = Field(1e-6, gt=0, allow_inf_nan=False)
-    """grpo / reinforce_pp_baseline / gae: added to the std before dividing."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    """gae: discount gamma."""
-    lam: float = Field(0.95, ge=0, le=1)
-    """gae: GAE lambda."""
-    whiten: bool = True
-    """gae: whiten the advantages over the masked batch (returns stay unwhitened)."""
+    estimator: EstimatorConfig = GRPOEstimator()
+    """Advantage estimator and its knobs, `{name: ..., <knob>: ...}` or a bare name; name: grpo,
+    dr_grpo, rloo, reinforce_pp_baseline, gae, custom (a user function)."""
     kl: KLConfig = KLConfig()
     """KL estimate and KL-in-reward settings."""
     seed: int = 0
@@ -72,6 +151,6 @@ class AdvantageConfig(StageConfig):
     def _inputs_for_options(self) -> AdvantageConfig:
         if self.kl.in_reward and (self.rollouts is None or self.reference is None):
             raise ValueError("kl.in_reward needs both `rollouts` (behaviour log-probs) and `reference`")
-        if self.estimator == "gae" and self.reference is None:
-            raise ValueError("estimator 'gae' needs `reference`: an artifact with critic values")
+        if self.estimator.needs_values and self.reference is None:
+            raise ValueError(f"estimator {self.estimator.name!r} needs `reference`: an artifact with critic values")
         return self

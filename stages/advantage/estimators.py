@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md section 5): pure tensor functions and their registry.
+"""Advantage estimators: pure tensor functions and their registry.
 
 Notation: B responses; response b has T_b tokens, right-padded to T = max_b T_b; `mask[b, t]` is
 1.0 on real tokens (a left-aligned prefix of each row) and 0.0 on padding; `group_ids[b]` names the
@@ -9,21 +9,36 @@ enters a sum, a mean or a std.
 Two layers:
 - the math: `grpo`, `dr_grpo`, `rloo`, `reinforce_pp_baseline`, `gae`, `masked_whiten`, with
   natural signatures (tensors in, tensors out);
-- `ADVANTAGE_ESTIMATORS`: name -> `Estimator`, whose `fn(inputs: AdvantageInputs, **knobs)` adapts
-  one math function to the common `AdvantageInputs -> AdvantageOutputs` shape, so the stage
-  dispatches every estimator the same way (`compute_advantages`). Registering a name twice raises.
+- `ADVANTAGE_ESTIMATORS`: name -> `Estimator` (config variant, adapter). Each adapter
+  `fn(inputs: AdvantageInputs, **knobs)` is registered with `@register_estimator(<variant>)`,
+  the config class in config.py whose fields are exactly its keyword knobs (checked when
+  registering); it adapts one math function to the common `AdvantageInputs -> AdvantageOutputs`
+  shape, so the stage dispatches every estimator the same way (`compute_advantages`). The
+  variant's `name` is the registry key; registering a name twice raises.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-StdKind = Literal["sample", "population"]
-ScaleKind = Literal["group", "batch", "none"]
+from rlpipe.stages.advantage.config import (
+    STD_EPS,
+    CustomEstimator,
+    DrGRPOEstimator,
+    EstimatorConfig,
+    GAEEstimator,
+    GRPOEstimator,
+    ReinforcePPBaselineEstimator,
+    RLOOEstimator,
+    ScaleKind,
+    StdKind,
+)
+from rlpipe.stages.common.cli import import_function
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +96,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = STD_EPS) -> torch.Tensor:
     """(x - mu) / (sigma + eps) with mu, sigma over the masked elements only; 0 on padding.
 
     sigma is the sample std (n - 1 denominator), as verl's `masked_whiten` and torchtune's `whiten`.
@@ -105,8 +120,8 @@ class GroupAdvantages(NamedTuple):
     """True for responses in a zero-variance or size-1 group, shape (B,) bool."""
 
 
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, std: StdKind = "sample",
-         scale: ScaleKind = "group", eps: float = 1e-6) -> GroupAdvantages:
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, std: StdKind, scale: ScaleKind,
+         eps: float = STD_EPS) -> GroupAdvantages:
     """GRPO: `A_i = (r_i - mean_g) / (std_g + eps)`.
 
     Shao et al. 2024 (DeepSeekMath), https://arxiv.org/abs/2402.03300. A group of equal rewards
@@ -167,7 +182,7 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> GroupAdvantages:
 
 
 def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *,
-                          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                          eps: float = STD_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: `r_i - mean_g` on every token, then whitened over all response
     tokens of the batch (masked mean and sample std; padding excluded).
 
@@ -186,8 +201,8 @@ def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, mask: 
     return masked_whiten(centered.unsqueeze(-1) * mask, mask, eps=eps), g.no_signal
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (before whitening).
 
         delta_t = r_t + gamma * V_{t+1} - V_t          (V after the last real token is 0)
@@ -248,24 +263,30 @@ class AdvantageOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class Estimator:
-    """A registered estimator: its adapter and what it needs."""
+    """A registered estimator: its config variant and its adapter `fn(inputs, **variant.knobs())`."""
 
+    config: type[GRPOEstimator | DrGRPOEstimator | RLOOEstimator | ReinforcePPBaselineEstimator | GAEEstimator
+                  | CustomEstimator]
     fn: Callable[..., AdvantageOutputs]
-    knobs: tuple[str, ...]
-    """Keyword parameters `fn` takes (recorded in the artifact's `estimator_params`)."""
-    needs_values: bool = False
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register(name: str, *, knobs: tuple[str, ...] = (), needs_values: bool = False):
-    """Decorator adding an adapter `fn(inputs, **knobs) -> AdvantageOutputs` under `name`."""
+def register_estimator(config: type):
+    """Decorator adding an adapter `fn(inputs, **knobs) -> AdvantageOutputs` under the name of
+    its config variant `config`, whose fields (but `name`) must be `fn`'s keyword parameters."""
+    name = config.model_fields["name"].default
 
     def wrap(fn: Callable[..., AdvantageOutputs]) -> Callable[..., AdvantageOutputs]:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = Estimator(fn, knobs, needs_values)
+        knobs = set(config.model_fields) - {"name"}
+        params = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        if params != knobs:
+            raise TypeError(f"{fn.__qualname__} takes keywords {sorted(params)} but {config.__name__} "
+                            f"has knobs {sorted(knobs)}")
+        ADVANTAGE_ESTIMATORS[name] = Estimator(config, fn)
         return fn
 
     return wrap
@@ -276,47 +297,64 @@ def _broadcast(seq: GroupAdvantages, mask: torch.Tensor) -> AdvantageOutputs:
     return AdvantageOutputs(token, seq.advantages, None, seq.no_signal)
 
 
-@register("grpo", knobs=("std", "scale", "eps"))
-def _grpo(x: AdvantageInputs, *, std: StdKind = "sample", scale: ScaleKind = "group",
-          eps: float = 1e-6) -> AdvantageOutputs:
+def _no_signal(x: AdvantageInputs) -> torch.Tensor:
+    return torch.zeros(x.rewards.shape, dtype=torch.bool, device=x.rewards.device)
+
+
+@register_estimator(GRPOEstimator)
+def _grpo(x: AdvantageInputs, *, std: StdKind, scale: ScaleKind, eps: float) -> AdvantageOutputs:
     return _broadcast(grpo(x.rewards, x.group_ids, std=std, scale=scale, eps=eps), x.mask)
 
 
-@register("dr_grpo")
+@register_estimator(DrGRPOEstimator)
 def _dr_grpo(x: AdvantageInputs) -> AdvantageOutputs:
     return _broadcast(dr_grpo(x.rewards, x.group_ids), x.mask)
 
 
-@register("rloo")
+@register_estimator(RLOOEstimator)
 def _rloo(x: AdvantageInputs) -> AdvantageOutputs:
     return _broadcast(rloo(x.rewards, x.group_ids), x.mask)
 
 
-@register("reinforce_pp_baseline", knobs=("eps",))
-def _reinforce_pp_baseline(x: AdvantageInputs, *, eps: float = 1e-6) -> AdvantageOutputs:
+@register_estimator(ReinforcePPBaselineEstimator)
+def _reinforce_pp_baseline(x: AdvantageInputs, *, eps: float) -> AdvantageOutputs:
     token, no_signal = reinforce_pp_baseline(x.rewards, x.group_ids, x.mask, eps=eps)
     return AdvantageOutputs(token, None, None, no_signal)
 
 
-@register("gae", knobs=("gamma", "lam", "whiten", "eps"), needs_values=True)
-def _gae(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True,
-         eps: float = 1e-6) -> AdvantageOutputs:
+@register_estimator(GAEEstimator)
+def _gae(x: AdvantageInputs, *, gamma: float, lam: float, whiten: bool, eps: float) -> AdvantageOutputs:
     if x.values is None:
         raise ValueError("estimator 'gae' needs critic values (a reference artifact with `values`)")
     advantages, returns = gae(x.token_rewards, x.values, x.mask, gamma=gamma, lam=lam)
     if whiten:
         advantages = masked_whiten(advantages, x.mask.to(advantages.dtype), eps=eps)
-    no_signal = torch.zeros(x.rewards.shape, dtype=torch.bool, device=x.rewards.device)
-    return AdvantageOutputs(advantages, None, returns, no_signal)
+    return AdvantageOutputs(advantages, None, returns, _no_signal(x))
 
 
-def compute_advantages(name: str, inputs: AdvantageInputs, **knobs) -> AdvantageOutputs:
-    """Run registered estimator `name` on `inputs` with keyword `knobs`."""
+@register_estimator(CustomEstimator)
+def _custom(x: AdvantageInputs, *, function: str, kwargs: dict) -> AdvantageOutputs:
+    """A user function `fn(inputs, **kwargs)` returning (B,) sequence or (B, T) token advantages."""
+    fn = import_function(function, "estimator.function")
+    out = fn(x, **kwargs)
+    B, T = x.mask.shape
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) not in ((B,), (B, T)):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"estimator.function {function!r} returned {got}; expected a tensor of "
+                         f"shape ({B},) (one per response) or ({B}, {T}) (one per token)")
+    mask = x.mask.to(x.rewards.dtype)
+    out = out.detach().to(device=mask.device, dtype=mask.dtype)
+    token = out.unsqueeze(-1) * mask if out.ndim == 1 else out * mask  # padding is zeroed
+    bad = (~torch.isfinite(token)).any(-1).nonzero()
+    if len(bad):
+        raise ValueError(f"estimator.function {function!r} returned a non-finite advantage for response {int(bad[0])}")
+    return AdvantageOutputs(token, out if out.ndim == 1 else None, None, _no_signal(x))
+
+
+def compute_advantages(estimator: EstimatorConfig, inputs: AdvantageInputs) -> AdvantageOutputs:
+    """Run the registered estimator of config variant `estimator` (name and knobs) on `inputs`."""
     try:
-        estimator = ADVANTAGE_ESTIMATORS[name]
+        entry = ADVANTAGE_ESTIMATORS[estimator.name]
     except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
-    unknown = sorted(set(knobs) - set(estimator.knobs))
-    if unknown:
-        raise ValueError(f"estimator {name!r} takes {list(estimator.knobs)}, not {unknown}")
-    return estimator.fn(inputs, **knobs)
+        raise ValueError(f"unknown advantage estimator {estimator.name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
+    return entry.fn(inputs, **estimator.knobs())

@@ -21,21 +21,15 @@ from rlpipe.schemas import (
     SCORES,
     ArtifactWriter,
     Manifest,
-    cache_key,
-    cached_manifest,
     iter_shards,
-    read_manifest,
     read_table_artifact,
 )
 from rlpipe.schemas.columns import LOGPROBS
 from rlpipe.stages.advantage.config import AdvantageConfig
-from rlpipe.stages.advantage.estimators import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    compute_advantages,
-)
+from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
 from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
 from rlpipe.stages.advantage.stats import advantage_summary
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.common.tables import KEY, align, length_mask, list_array, padded, shard_index
 
 SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
@@ -44,11 +38,10 @@ SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
 def run(config: AdvantageConfig, *, force: bool = False) -> Manifest:
     """Compute the advantages artifact of `config`; a cache hit returns the existing manifest."""
     started = time.time()
-    paths = {"scores": config.scores, "rollouts": config.rollouts, "reference": config.reference}
-    inputs = {role: read_manifest(p).as_input(p) for role, p in paths.items() if p is not None}
-    key = cache_key("advantage", config.resolved(), {r: i.content_hash for r, i in inputs.items()})
-    if not force and (hit := cached_manifest(config.output, key)) is not None:
-        return hit
+    start = begin("advantage", config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     # 1. Read: scores shard by shard (their boundaries are the output's), the others joined by key.
     shards = list(iter_shards(config.scores, SCORES, columns=SCORE_COLUMNS))
@@ -80,15 +73,16 @@ def run(config: AdvantageConfig, *, force: bool = False) -> Manifest:
         seq_rewards = token_rewards.sum(-1)  # R - beta * sum_t kl_t
     else:
         token_rewards, seq_rewards = last_token_rewards(rewards, mask), rewards
-    if ADVANTAGE_ESTIMATORS[config.estimator].needs_values and values is None:
-        raise ValueError(f"estimator {config.estimator!r}: {config.reference} holds no critic values "
+    estimator = config.estimator
+    if estimator.needs_values and values is None:
+        raise ValueError(f"estimator {estimator.name!r}: {config.reference} holds no critic values "
                          "(run the reference step with `critic=`)")
 
     # 3. Estimate.
-    knobs = {k: getattr(config, k) for k in ADVANTAGE_ESTIMATORS[config.estimator].knobs}
-    out = compute_advantages(config.estimator, AdvantageInputs(seq_rewards, group_ids, mask, token_rewards, values), **knobs)
+    out = compute_advantages(estimator, AdvantageInputs(seq_rewards, group_ids, mask, token_rewards, values))
 
     # 4. Write one shard per scores shard, same index and row order.
+    knobs = estimator.model_dump(mode="json", exclude={"name"})
     params = json.dumps({**knobs, "kl_estimator": config.kl.estimator, "kl_in_reward": config.kl.in_reward,
                          "kl_beta": config.kl.beta}, sort_keys=True)
     columns = {
@@ -107,13 +101,13 @@ def run(config: AdvantageConfig, *, force: bool = False) -> Manifest:
         shard = {name: table.column(name) for name in ("run", "iteration", "prompt_id", "group_id", "sample_index")}
         shard["reward"] = table.column("reward")
         shard.update({name: col.slice(start, n) for name, col in columns.items()})
-        shard["estimator"] = pa.array([config.estimator] * n, pa.string())
+        shard["estimator"] = pa.array([estimator.name] * n, pa.string())
         shard["estimator_params"] = pa.array([params] * n, pa.string())
         writer.write_shard(shard, index=shard_index(path))
         start += n
 
     extra = advantage_summary(rewards, group_ids, mask, out, kl_t)
-    extra.update(estimator=config.estimator, kl_beta=config.kl.beta)
+    extra.update(estimator=estimator.name, kl_beta=config.kl.beta)
     if "kl_seq_mean" in extra:
         extra["kl_beta_next"] = next_kl_beta(config.kl.controller, config.kl.beta, extra["kl_seq_mean"],
                                              target=config.kl.target, n_steps=len(rewards),

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlpipe.schemas import MANIFEST_NAME, Manifest, cache_key, cached_manifest, commit_directory
+from rlpipe.schemas import MANIFEST_NAME, Manifest, commit_directory
 from rlpipe.stages.base_model.config import BaseModelConfig
+from rlpipe.stages.common.stage_io import begin
 
 STAGE = "base_model"
 
@@ -22,9 +23,10 @@ def run(config: BaseModelConfig, *, force: bool = False) -> Manifest:
 
     from rlpipe.stages.common.tiny import build_model, save_pretrained, train_tokenizer
 
-    key = cache_key(STAGE, config.resolved(), {})
-    if not force and (cached := cached_manifest(config.output, key)) is not None:
-        return cached
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    key = start.key
     transformers.utils.logging.disable_progress_bar()
     (config.output / MANIFEST_NAME).unlink(missing_ok=True)
     tokenizer = train_tokenizer(config.tokenizer_texts, vocab_size=config.vocab_size)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlpipe.schemas.config import ConfigError, describe_fields, load_config
+from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.staging import discard_open_staging
 from rlpipe.stages.common.interrupt import exit_on_signals
 
@@ -24,6 +25,23 @@ def import_ref(ref: str) -> Any:
     """The object named by 'package.module:attribute' (imported on call)."""
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def import_function(ref: str, what: str = "") -> Any:
+    """A user's function by import path; a ValueError naming `what` and `ref` if it is not one.
+
+    Args:
+        ref: 'package.module:function'.
+        what: the config key that named it, for the message (e.g. 'estimator.function').
+    """
+    at = f"{what}: " if what else ""
+    try:
+        fn = import_ref(ref)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{at}cannot import {ref!r}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"{at}{ref!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 def _strip_local_rank(argv: Sequence[str]) -> list[str]:
@@ -37,15 +55,6 @@ def _strip_local_rank(argv: Sequence[str]) -> list[str]:
             continue
         out.append(arg)
     return out
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """Errors that mean bad input (a file, a key, a row), reported as one line naming it, with exit
-    code 1; any other exception is a bug and keeps its traceback."""
-    from rlpipe.schemas.errors import ArtifactError
-    from rlpipe.stages.score.scorers import ScoreError
-
-    return (ArtifactError, ScoreError, OSError, ValueError)
 
 
 def stage_entry(package: str) -> Callable[[Sequence[str] | None], int]:
@@ -76,6 +85,7 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)")
     parser.add_argument("--force", action="store_true", help="recompute even if a cached artifact matches")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
     try:
         config = load_config(config_cls, args.config, args.overrides)
@@ -91,12 +101,12 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     with exit_on_signals(f"stage {name}"):
         try:
             manifest = stage.run(config, force=args.force)
-        except Exception as e:
+        except BaseException as e:
             discard_open_staging()  # nothing partial stays behind
-            if not isinstance(e, user_errors()):
+            if not isinstance(e, UserError) or args.debug:
                 raise
             print(f"error: {name}: {e}", file=sys.stderr)
-            return 1
+            return 2
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"

@@ -40,8 +40,8 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True) ->
     """(model, tokenizer) from a Hugging Face directory, fp32, eval mode.
 
     Args:
-        kind: 'causal', 'reward' (sequence classification, one label) or 'critic' (token
-            classification, one label: a value per position).
+        kind: 'causal', or 'reward' / 'critic' (a `ScalarHeadModel`: backbone + one output per
+            position; see scalar_head.py).
         cache: reuse/keep the loaded model in the in-process cache.
     """
     from rlpipe.stages.common.tiny import load_checkpoint
@@ -64,6 +64,26 @@ def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
     if len(_CACHE) >= _MAX_ENTRIES:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[(checkpoint_key(path), kind)] = (model, tokenizer)
+
+
+#: What configs call the longest sequence their positions cover (GPT-2: n_positions / n_ctx,
+#: ChatGLM-style: seq_length, some: max_sequence_length), most specific first.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length", "n_ctx")
+
+
+def context_length(config: Any) -> int | None:
+    """The model's context length, whatever its config (a `PretrainedConfig` or a config.json dict)
+    calls it; None when it names none: ALiBi models (Bloom) have no position table to run past.
+
+    Multimodal configs keep the language model's settings in `text_config`; that is read first.
+    """
+    if isinstance(config, dict):
+        config = config.get("text_config") or config
+        values = [config.get(k) for k in CONTEXT_KEYS]
+    else:
+        config = config.get_text_config()
+        values = [getattr(config, k, None) for k in CONTEXT_KEYS]
+    return next((int(v) for v in values if isinstance(v, int) and v > 0), None)
 
 
 def clear_cache() -> None:

@@ -15,9 +15,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from rlpipe.schemas import ROLLOUTS
 from rlpipe.schemas.columns import LOGPROBS
 
-KEY = ("iteration", "group_id", "sample_index")
+KEY = ROLLOUTS.key  # the join key is the schemas' (every per-rollout artifact declares the same one)
 
 
 def key_tuples(table: pa.Table) -> list[tuple]:

@@ -4,16 +4,23 @@ The tokenizer is a byte-level BPE trained with `tokenizers` on the given texts, 
 into single tokens (arithmetic stays learnable) and <|bos|>/<|eos|>/<|pad|> specials; BOS is added
 to every encoded text. Models are Llama-architecture (rotary positions, so left padding only needs
 the attention mask) with tied embeddings. Everything is saved and loaded in Hugging Face format,
-so transformers, DeepSpeed and vLLM read them unchanged.
+so transformers, DeepSpeed and vLLM read them unchanged; reward models and critics are a causal
+LM's backbone plus a scalar head (`scalar_head.py`).
+
+`load_checkpoint` / `load_tokenizer` read any Hugging Face checkpoint, not only tiny ones: every
+stage loads models and tokenizers through them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+_log = logging.getLogger(__name__)
+_PAD_IS_EOS: set[str] = set()  # checkpoints whose "pad = eos" was already logged
 
 #: Named model sizes: (hidden, layers, heads, kv_heads, intermediate).
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -60,12 +67,14 @@ def build_model(tokenizer, kind: ModelKind = "causal", size: str = "tiny", seed:
     """A freshly initialised Llama model for `tokenizer` (seeded: same seed, same weights).
 
     Args:
-        kind: 'causal' (LlamaForCausalLM) or 'reward' (LlamaForSequenceClassification, one label:
-            a scalar head read at the last non-padding token).
+        kind: 'causal' (LlamaForCausalLM), or 'reward' / 'critic' (its backbone with a scalar
+            head, `ScalarHeadModel`; the head initialised N(0, 1 / (H + 1)^2)).
         size: a key of SIZES.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlpipe.stages.common.scalar_head import backbone_of, wrap
 
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; known: {sorted(SIZES)}")
@@ -82,16 +91,15 @@ def build_model(tokenizer, kind: ModelKind = "causal", size: str = "tiny", seed:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        cls = LlamaForCausalLM if kind == "causal" else LlamaForSequenceClassification
-        model = cls(config)
-    if kind == "causal":
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.bos_token_id = tokenizer.bos_token_id
+        model = LlamaForCausalLM(config)
+    if kind != "causal":
+        return wrap(*backbone_of(model), kind, init="normal", seed=seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
 
 
@@ -113,22 +121,47 @@ def make_tiny_checkpoint(out_dir: Path | str, texts: Iterable[str], kind: ModelK
 
 
 def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
-    """Load (model, tokenizer) from a Hugging Face directory, fp32, eval mode."""
+    """Load (model, tokenizer) from a Hugging Face directory, fp32, eval mode.
+
+    kind: 'causal' (AutoModelForCausalLM), or 'reward' / 'critic' (a `ScalarHeadModel`: the rlpipe
+    format, or a legacy 1-label sequence- / token-classification checkpoint).
+    """
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-        AutoTokenizer,
+    from transformers import AutoModelForCausalLM
+
+    from rlpipe.stages.common.scalar_head import (
+        ScalarHeadCheckpointError,
+        load_scalar_head_model,
+        read_kind,
     )
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
-    # 'critic': a value-head model (token classification, one label: V at every position).
-    cls = {"causal": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification,
-           "critic": AutoModelForTokenClassification}[kind]
-    model = cls.from_pretrained(path, dtype=torch.float32)
+    if kind == "causal":
+        if (stored := read_kind(path)) in ("critic", "reward"):
+            raise ScalarHeadCheckpointError(f"{path} is a {stored} checkpoint (a scalar head), not a causal LM")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        model = load_scalar_head_model(path, kind)
     model.eval()
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: Path | str):
+    """The checkpoint's tokenizer, with pad = eos when it defines no pad token (GPT-2, Llama and
+    most base models ship none; every stage pads batches, always with an attention mask, so the
+    pad id's value never reaches a loss). Logged once per checkpoint."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer of {path} has neither a pad nor an eos token: set "
+                             f'"pad_token" in {Path(path) / "tokenizer_config.json"}')
+        tokenizer.pad_token = tokenizer.eos_token
+        if str(path) not in _PAD_IS_EOS:
+            _PAD_IS_EOS.add(str(path))
+            _log.warning("%s: the tokenizer has no pad token; padding with eos %r (id %d)", path,
+                         tokenizer.eos_token, tokenizer.eos_token_id)
+    return tokenizer

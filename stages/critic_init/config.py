@@ -9,8 +9,8 @@ from rlpipe.schemas.config import Input, Output, StageConfig
 
 
 class CriticInitConfig(StageConfig):
-    """Build a critic from a policy: the policy's backbone with a one-output token-classification
-    head (V_t at the position before response token t), saved in Hugging Face format."""
+    """Build a critic from a policy: the policy's backbone with a scalar head (V_t at the position
+    before response token t), saved as scalar_head.py describes."""
 
     policy: Annotated[Path, Input("checkpoint")]
     """Policy checkpoint whose backbone the critic starts from."""

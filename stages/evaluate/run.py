@@ -19,15 +19,12 @@ from rlpipe.schemas import (
     METRICS,
     SCORES,
     Manifest,
-    cache_key,
-    cached_manifest,
-    read_manifest,
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.evaluate.config import EvaluateConfig
 from rlpipe.stages.rollout.config import RolloutConfig
-from rlpipe.stages.rollout.run import _checkpoint_input
 from rlpipe.stages.score.config import AnswerMatchComponent, ScoreConfig
 
 STAGE = "evaluate"
@@ -38,12 +35,10 @@ def run(config: EvaluateConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.score.run import run as score
 
     started = time.time()
-    inputs = {"prompts": read_manifest(config.prompts).as_input(config.prompts),
-              "policy": _checkpoint_input(config.checkpoint)}
-    key = cache_key(STAGE, config.resolved(), {k: v.content_hash for k, v in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     rollout_cfg = RolloutConfig(
         checkpoint=config.checkpoint, prompts=config.prompts, output=config.output / "rollouts",

@@ -3,11 +3,74 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import (
+    Assigned,
+    ImportRef,
+    Input,
+    Output,
+    StageConfig,
+    Variant,
+    name_shorthand,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy losses: one variant per loss, each registered with its function in losses.py
+# (`@register_policy_loss(<variant>)`; a test keeps the tags equal to the registry's names).
+# ---------------------------------------------------------------------------------------------
+class PPOClipLoss(Variant):
+    """PPO clipped surrogate on the token ratio rho_t (Schulman et al. 2017)."""
+
+    name: Literal["ppo_clip"] = "ppo_clip"
+    """Loss name."""
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower clip range: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = Field(0.2, ge=0.0)
+    """Upper clip range: 1 + eps_high (> eps_low is DAPO's clip-higher, 0.28)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip constant c > 1 bounding the loss of negative advantages by -c * A; None disables it."""
+
+
+class GSPOLoss(Variant):
+    """GSPO: the clipped surrogate on the sequence ratio s_i = exp(mean_t log rho_t) (Zheng et al. 2025)."""
+
+    name: Literal["gspo"] = "gspo"
+    """Loss name."""
+    eps_low: float = Field(3e-4, ge=0.0, lt=1.0)
+    """Lower clip range of s_i: 1 - eps_low (the paper's 3e-4)."""
+    eps_high: float = Field(4e-4, ge=0.0)
+    """Upper clip range of s_i: 1 + eps_high (the paper's 4e-4)."""
+
+
+class CustomLoss(Variant):
+    """A user policy loss `fn(logp, old_logp, advantages, mask, **kwargs)`, imported from `function`.
+
+    All four inputs are (B, T) tensors of one micro-batch (B responses, T = longest response):
+    `logp` the training policy's per-token log-probs (differentiable), `old_logp` the behaviour
+    log-probs, `advantages` the per-token advantages, `mask` 1.0 on real response tokens. `fn`
+    returns the per-token loss l[b, t] (to be minimised), a (B, T) tensor differentiable w.r.t.
+    `logp`, or an `rlpipe.stages.optimize.losses.PolicyLossOutput` (loss and statistics). The
+    stage aggregates it with `agg_mode`; a wrong shape stops it with an error naming `function`.
+    """
+
+    name: Literal["custom"] = "custom"
+    """Loss name."""
+    function: ImportRef
+    """Import path 'package.module:function' of the loss (importable on every rank)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed on every call (JSON-able)."""
+
+
+LossConfig = Annotated[
+    PPOClipLoss | GSPOLoss | CustomLoss,
+    Field(discriminator="name"),
+    BeforeValidator(name_shorthand),
+]
+"""A policy loss and its knobs: `{name: gspo, eps_high: 5e-4}`, or just its name (`gspo`)."""
 
 
 class OptimizeConfig(StageConfig):
@@ -30,8 +93,8 @@ class OptimizeConfig(StageConfig):
     """Optional `reference` artifact with per-token reference log-probs (used instead of the
     advantages' `ref_logprobs` column when given)."""
     critic: Annotated[Path | None, Input("checkpoint")] = None
-    """Critic checkpoint (PPO); a causal LM or token-classification checkpoint, loaded as
-    AutoModelForTokenClassification with one label. None: no critic is trained."""
+    """Critic checkpoint (PPO): a critic (critic_init stage) or reward-model checkpoint, or a causal
+    LM whose backbone gets a new scalar head (scalar_head.py). None: no critic is trained."""
     output: Annotated[Path, Output("checkpoint")]
     """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
     critic_output: Annotated[Path | None, Output("checkpoint")] = None
@@ -41,14 +104,9 @@ class OptimizeConfig(StageConfig):
     run: Annotated[str, Assigned()] = "run"
     """Run name written into the metrics rows."""
 
-    loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
-    """Policy loss (registry key)."""
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """Lower clip range: the ratio is clipped at 1 - eps_low."""
-    eps_high: float = Field(0.2, ge=0.0)
-    """Upper clip range: 1 + eps_high (> eps_low is DAPO's clip-higher, 0.28). GSPO uses ~4e-4."""
-    dual_clip: float | None = Field(None, gt=1.0)
-    """Dual-clip constant c > 1 for negative advantages; None disables it."""
+    loss: LossConfig = PPOClipLoss()
+    """Policy loss and its knobs, `{name: ..., <knob>: ...}` or a bare name; name: ppo_clip, gspo,
+    custom (a user function)."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens and sequences (denominators are global over ranks and micro-batches)."""
     max_len: int | None = Field(None, ge=1)

@@ -11,17 +11,16 @@ import numpy as np
 import torch
 
 from rlpipe.stages.advantage.kl import kl
+from rlpipe.stages.optimize.config import LossConfig, PPOClipLoss
 from rlpipe.stages.optimize.losses import agg_loss, policy_loss
 
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    """Knobs of L = L_policy + beta * agg(k_x) - c_H * agg(H) (ALGORITHMS.md section 6)."""
+    """Knobs of L = L_policy + beta * agg(k_x) - c_H * agg(H)."""
 
-    loss: str = "ppo_clip"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
+    loss: LossConfig = PPOClipLoss()
+    """The policy loss L_policy: a config variant (name and knobs), dispatched by `policy_loss`."""
     agg_mode: str = "token-mean"
     kl_estimator: str = "k3"
     kl_beta: float = 0.0
@@ -50,8 +49,7 @@ def policy_micro_loss(obj: PolicyObjective, logp: torch.Tensor, old_logp: torch.
         (loss, stats): loss a scalar; stats detached scalars named policy_loss, kl_ref, entropy,
         approx_kl, clip_fraction, dual_clip_fraction, ratio_mean.
     """
-    out = policy_loss(obj.loss, logp, old_logp, advantages, mask,
-                      eps_low=obj.eps_low, eps_high=obj.eps_high, dual_clip=obj.dual_clip)
+    out = policy_loss(obj.loss, logp, old_logp, advantages, mask)
 
     def agg(x: torch.Tensor, mode: str = obj.agg_mode) -> torch.Tensor:
         return agg_loss(x, mask, mode, global_token_count=token_count, global_seq_count=seq_count, max_len=max_len)

@@ -15,7 +15,7 @@ import torch
 
 from rlpipe.schemas import ADVANTAGES, REFERENCE, ROLLOUTS, read_table_artifact
 
-KEY = ("iteration", "group_id", "sample_index")
+KEY = ROLLOUTS.key  # the join key is the schemas' (every per-rollout artifact declares the same one)
 
 
 @dataclass

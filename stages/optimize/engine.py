@@ -1,22 +1,19 @@
-"""DeepSpeed plumbing of the optimisation stage: process group, engines, forward passes, saving.
+"""DeepSpeed side of the optimisation stage: engines, forward passes, steps, collectives.
 
-Repeatable in one process: the process group is created once (gloo on CPU when none exists) and
-kept; every `run()` builds fresh engines and destroys them at the end.
+The process group, the DeepSpeed config and saving are stages/common's (distributed, deepspeed).
+Repeatable in one process: the process group is created once and kept; every `run()` builds fresh
+engines and destroys them at the end.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rlpipe.stages.common.deepspeed import make_engine as common_make_engine
 from rlpipe.stages.common.forward import (
     PackedBatch,
     gather_positions,
@@ -24,55 +21,11 @@ from rlpipe.stages.common.forward import (
     response_logprobs,
 )
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
-
-logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-
-@dataclass(frozen=True)
-class Dist:
-    rank: int
-    world_size: int
-
-
-def ensure_process_group() -> Dist:
-    """Join the launcher's process group (torchrun / deepspeed set RANK), or create a 1-rank gloo
-    group on a file store; an existing group is reused (in-process runner, tests)."""
-    if not dist.is_initialized():
-        os.environ.setdefault("LOCAL_RANK", "0")
-        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
-        else:
-            store = os.path.join(tempfile.mkdtemp(prefix="rlpipe-pg-"), "store")
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    return Dist(dist.get_rank(), dist.get_world_size())
-
 
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def use_bf16(dtype: str) -> bool:
-    return dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
-
-
-def ds_config(zero_stage: int, *, micro_batch_size: int, grad_accum: int, world_size: int, grad_clip: float,
-              bf16: bool) -> dict[str, Any]:
-    """The zero<stage>.json template with its "auto" fields filled."""
-    from rlpipe.cluster.launch import deepspeed_template
-
-    cfg = deepspeed_template(zero_stage)
-    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
-    cfg["gradient_accumulation_steps"] = grad_accum
-    cfg["train_batch_size"] = micro_batch_size * grad_accum * world_size
-    cfg["gradient_clipping"] = grad_clip
-    cfg["bf16"] = {"enabled": bf16}
-    return cfg
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -85,8 +38,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
         if isinstance(model.config.to_dict().get(key), float):
             setattr(model.config, key, 0.0)
     for module in model.modules():
-        if isinstance(vars(module).get("attention_dropout"), float):
-            module.attention_dropout = 0.0
+        # Functional dropout rates kept on modules: Llama-style `attention_dropout`, OPT's `dropout`
+        # and `layerdrop` (its decoder layers call F.dropout(p=self.dropout), no nn.Dropout).
+        for key in ("attention_dropout", "dropout", "layerdrop"):
+            if isinstance(vars(module).get(key), float):
+                setattr(module, key, 0.0)
 
 
 def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -101,9 +57,7 @@ def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, betas
     def adamw(params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      optimizer=adamw, config=config)
-    return engine
+    return common_make_engine(model, config, optimizer=adamw)
 
 
 def forward_logits(engine: Any, batch: PackedBatch) -> torch.Tensor:
@@ -151,35 +105,6 @@ def optimizer_step(engine: Any) -> float | None:
         got = engine.get_global_grad_norm()
         norm = float(got) if got is not None else float("nan")
     return norm
-
-
-@contextlib.contextmanager
-def full_parameters(engine: Any) -> Iterator[torch.nn.Module]:
-    """The engine's module with every parameter whole (ZeRO-3 gathers them; collective)."""
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            yield engine.module
-    else:
-        yield engine.module
-
-
-def save_module(engine: Any, tokenizer: Any, out_dir: Any, rank: int) -> torch.nn.Module | None:
-    """Save the full model + tokenizer (rank 0) in Hugging Face format; collective under ZeRO-3.
-
-    Returns, on rank 0, a plain copy of the trained model in eval mode (no DeepSpeed hooks), equal
-    to what loading `out_dir` gives; None on other ranks.
-    """
-    copy = None
-    with full_parameters(engine) as module:
-        if rank == 0:
-            module.save_pretrained(out_dir, safe_serialization=True)
-            tokenizer.save_pretrained(out_dir)
-            copy = type(module)(module.config)
-            copy.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
-            if module.can_generate():
-                copy.generation_config = module.generation_config
-            copy.eval()
-    return copy
 
 
 def gather_rows(local: dict[int, Any], world_size: int) -> dict[int, Any]:

@@ -1,7 +1,9 @@
-"""Policy losses, the one aggregation function, and the clipped value loss (ALGORITHMS.md section 6).
+"""Policy losses and their registry, the one aggregation function, and the clipped value loss.
 
-Pure tensor math: no IO, no config objects, no process groups. Every function takes (B, T) tensors
-left-aligned per response with `mask[b, t] = 1` on real response tokens.
+Pure tensor math: no IO, no process groups. Every function takes (B, T) tensors left-aligned per
+response with `mask[b, t] = 1` on real response tokens. Each policy loss is registered with its
+config variant (`@register_policy_loss(PPOClipLoss)`, config.py), whose fields are exactly the
+function's keyword knobs; `policy_loss(config, ...)` dispatches on the variant's `name`.
 
 Notation:
     logp       log pi_theta(a_t | s_t) of the policy being trained        (B, T)
@@ -16,10 +18,14 @@ same global denominators as the loss.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
+
+from rlpipe.stages.common.cli import import_function
+from rlpipe.stages.optimize.config import CustomLoss, GSPOLoss, LossConfig, PPOClipLoss
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -42,29 +48,37 @@ class PolicyLossOutput(NamedTuple):
 
 
 PolicyLoss = Callable[..., PolicyLossOutput]
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: dict[str, tuple[type[PPOClipLoss | GSPOLoss | CustomLoss], PolicyLoss]] = {}
+"""name -> (config variant, loss function `fn(logp, old_logp, advantages, mask, **knobs)`)."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Register a policy loss under `name`; registering a name twice raises."""
+def register_policy_loss(config: type) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a policy loss under its config variant's name; the variant's fields (but `name`)
+    must be the function's keyword parameters. Registering a name twice raises."""
+    name = config.model_fields["name"].default
 
     def deco(fn: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__qualname__})")
-        POLICY_LOSSES[name] = fn
+            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name][1].__qualname__})")
+        knobs = set(config.model_fields) - {"name"}
+        params = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        if params != knobs:
+            raise TypeError(f"{fn.__qualname__} takes keywords {sorted(params)} but {config.__name__} "
+                            f"has knobs {sorted(knobs)}")
+        POLICY_LOSSES[name] = (config, fn)
         return fn
 
     return deco
 
 
-def policy_loss(name: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, **knobs: float | None) -> PolicyLossOutput:
-    """Dispatch to the registered policy loss `name` (ppo_clip | gspo)."""
+def policy_loss(loss: LossConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor) -> PolicyLossOutput:
+    """Dispatch to the policy loss registered under `loss.name`, with the variant's knobs."""
     try:
-        fn = POLICY_LOSSES[name]
+        _, fn = POLICY_LOSSES[loss.name]
     except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}") from None
-    return fn(logp, old_logp, advantages, mask, **knobs)
+        raise ValueError(f"unknown policy loss {loss.name!r}; known: {sorted(POLICY_LOSSES)}") from None
+    return fn(logp, old_logp, advantages, mask, **loss.knobs())
 
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -88,9 +102,9 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torc
     return PolicyLossOutput(loss * m, ratio.detach() * m, clipped * m, dual * m)
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss(PPOClipLoss)
 def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-             eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> PolicyLossOutput:
+             eps_low: float, eps_high: float, dual_clip: float | None) -> PolicyLossOutput:
     """PPO clipped surrogate, token level (Schulman et al. 2017, https://arxiv.org/abs/1707.06347).
 
     `eps_high > eps_low` is DAPO's clip-higher (https://arxiv.org/abs/2503.14476, 0.28 / 0.2).
@@ -108,9 +122,9 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     return _clipped_surrogate(ratio, advantages, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss(GSPOLoss)
 def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         eps_low: float = 3e-4, eps_high: float = 4e-4, dual_clip: float | None = None) -> PolicyLossOutput:
+         eps_low: float, eps_high: float) -> PolicyLossOutput:
     """GSPO: sequence-level ratio (Zheng et al. 2025, https://arxiv.org/abs/2507.18071).
 
     s_i = exp(mean_t(logp - old_logp)) over the response's tokens replaces rho_t for every token of
@@ -124,7 +138,33 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     # s_i = exp( sum_t (logp - old_logp) m / |y_i| ), broadcast over the tokens of response i
     seq_ratio = torch.exp(((logp - old_logp) * m).sum(-1) / n)
     ratio = seq_ratio.unsqueeze(-1).expand_as(logp)
-    return _clipped_surrogate(ratio, advantages, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    return _clipped_surrogate(ratio, advantages, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=None)
+
+
+@register_policy_loss(CustomLoss)
+def custom_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                function: str, kwargs: dict) -> PolicyLossOutput:
+    """A user loss `fn(logp, old_logp, advantages, mask, **kwargs)` returning the (B, T) per-token
+    loss (or a `PolicyLossOutput`); its statistics default to the token ratio, nothing clipped.
+
+    Shape:
+        every input and output (B, T).
+    """
+    fn = import_function(function, "loss.function")
+    out = fn(logp, old_logp, advantages, mask, **kwargs)
+    loss = out.loss_mat if isinstance(out, PolicyLossOutput) else out
+    if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss.function {function!r} returned {got}; expected the per-token loss, a tensor "
+                         f"of shape {tuple(logp.shape)} like logp")
+    if logp.requires_grad and not loss.requires_grad:
+        raise ValueError(f"loss.function {function!r} returned a loss with no gradient w.r.t. logp")
+    if isinstance(out, PolicyLossOutput):
+        return out
+    m = mask.to(loss.dtype)
+    ratio = torch.exp((logp.detach() - old_logp) * m)  # rho_t, for the logged ratio_mean
+    zeros = torch.zeros_like(m)
+    return PolicyLossOutput(loss * m, ratio * m, zeros, zeros)
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,

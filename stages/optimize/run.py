@@ -24,14 +24,14 @@ from rlpipe.schemas import (
     METRICS,
     InputRef,
     Manifest,
-    cache_key,
-    cached_manifest,
     read_manifest,
     write_table_artifact,
 )
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.forward import pack
-from rlpipe.stages.common.models import checkpoint_key, load_model, remember
+from rlpipe.stages.common.models import load_model, remember
+from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.core import PolicyObjective, epoch_order, policy_micro_loss, step_slices
 from rlpipe.stages.optimize.data import Batch, load_batch, pad_rows
@@ -48,14 +48,16 @@ STAGE = "optimize"
 def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     """Run the stage; returns the new policy checkpoint's manifest (on every rank)."""
     started = time.time()
-    inputs = _inputs(config)
-    key = cache_key(STAGE, config.resolved(), {role: ref.content_hash for role, ref in inputs.items()})
-    if not force and _cached(config, key):
-        return read_manifest(config.output)
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
+    from rlpipe.stages.common import deepspeed as ds
+    from rlpipe.stages.common.distributed import init_distributed
     from rlpipe.stages.optimize import engine as E
 
-    d = E.ensure_process_group()
+    d = init_distributed()
     batch = load_batch(config.rollouts, config.advantages, config.reference,
                        need_ref=config.kl_beta > 0, need_values=config.critic is not None)
     n = len(batch)
@@ -64,8 +66,8 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
                              config.micro_batch_size) for e in range(config.epochs)]
     grad_accum = minibatch // (d.world_size * config.micro_batch_size)
     max_len = config.max_len or int(batch.lengths().max())
-    dscfg = E.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
-                        world_size=d.world_size, grad_clip=config.grad_clip, bf16=E.use_bf16(config.dtype))
+    dscfg = ds.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
+                         world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
 
     # Trainable copies: never train a model from the shared in-process cache.
     policy, tokenizer = load_model(config.policy, cache=False)
@@ -89,13 +91,12 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     rows = _batch_metrics(batch, old_logp, config.recompute_old_logprobs)
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
-    obj = PolicyObjective(loss=config.loss, eps_low=config.eps_low, eps_high=config.eps_high,
-                          dual_clip=config.dual_clip, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
+    obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
                           kl_beta=config.kl_beta, entropy_coef=config.entropy_coef)
     step, stopped = 0, False
     total_steps = sum(len(s) for s in schedules)
     mark, trained_tokens = time.perf_counter(), 0.0
-    with _progress(d.rank == 0, total_steps) as advance:
+    with progress("optimize", total_steps, enabled=d.rank == 0) as advance:
         for epoch, steps in enumerate(schedules):
             for micro_batches in steps:
                 step += 1
@@ -103,7 +104,7 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
                 stats["epoch"] = float(epoch)
                 rows += [(step, name, value) for name, value in sorted(stats.items())]
                 trained_tokens += stats["tokens"]
-                advance()
+                advance(loss=stats["loss"], approx_kl=stats["approx_kl"])
                 if config.kl_target is not None and stats["approx_kl"] > config.kl_target:
                     stopped = True
                     break
@@ -115,45 +116,22 @@ def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     rows.append((0, "steps", float(step)))
     rows.append((0, "early_stopped", float(stopped)))
 
-    manifest = _save(E, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing)
+    manifest = _save(ds, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing)
     pol.destroy()
     if crit is not None:
         crit.destroy()
     return manifest
 
 
-def _inputs(config: OptimizeConfig) -> dict[str, InputRef]:
-    def checkpoint(path: Path) -> InputRef:
-        return InputRef(path=str(path), content_hash=checkpoint_key(path))
-
-    refs = {"policy": checkpoint(config.policy),
-            "rollouts": read_manifest(config.rollouts).as_input(config.rollouts),
-            "advantages": read_manifest(config.advantages).as_input(config.advantages)}
-    if config.reference is not None:
-        refs["reference"] = read_manifest(config.reference).as_input(config.reference)
-    if config.critic is not None:
-        refs["critic"] = checkpoint(config.critic)
-    return refs
-
-
-def _cached(config: OptimizeConfig, key: str) -> bool:
-    outs = [config.output, config.metrics_output] + ([config.critic_output] if config.critic else [])
-    return all(cached_manifest(p, key) is not None for p in outs)
-
-
 def _load_critic(path: Path, seed: int) -> torch.nn.Module:
-    """A token-classification value model (one label); a new head is initialised from `seed`."""
-    from transformers import AutoModelForTokenClassification
+    """A trainable `ScalarHeadModel` critic (any architecture): a critic / reward checkpoint as
+    saved, or a causal LM's backbone with a new head initialised N(0, 1 / (H + 1)^2) from `seed`."""
     from transformers.utils import logging as hf_logging
 
+    from rlpipe.stages.common.scalar_head import load_scalar_head_model
+
     hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "newly initialized score head" report is expected here
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    hf_logging.set_verbosity(verbosity)
-    return model
+    return load_scalar_head_model(path, "critic", new_head="normal", seed=seed)
 
 
 def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_id: int,
@@ -254,7 +232,7 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
     return rows
 
 
-def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
+def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
           rows: list[tuple[int, str, float]], pol: Any, crit: Any, tokenizer: Any, rank: int,
           started: float, timing: dict[str, float]) -> Manifest:
     """Rank 0 writes metrics, then the critic, then the policy (its manifest last)."""
@@ -273,7 +251,7 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "_manifest.json").unlink(missing_ok=True)
-        copy = E.save_module(engine, tokenizer, out, rank)
+        copy = ds.save_pretrained(engine, tokenizer, out, rank)
         if rank == 0:
             commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                              extra={"metrics": summary, "kind": kind, "timing": timing}, wall_time_s=time.time() - started)
@@ -281,25 +259,3 @@ def _save(E: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef],
     torch.distributed.barrier()
     return read_manifest(config.output)
 
-
-class _progress:
-    """A rich progress bar over optimizer steps on rank 0 (stderr); silent elsewhere."""
-
-    def __init__(self, show: bool, total: int):
-        self.show, self.total, self.bar = show, total, None
-
-    def __enter__(self):
-        if not self.show:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self.bar = Progress(console=Console(stderr=True), transient=True)
-        self.bar.start()
-        task = self.bar.add_task("optimize", total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-        return False

@@ -6,11 +6,9 @@ from __future__ import annotations
 from rlpipe.schemas import (
     PREFERENCES,
     Manifest,
-    cache_key,
-    cached_manifest,
-    read_manifest,
     write_table_artifact,
 )
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.preferences import synthetic
 from rlpipe.stages.preferences.config import PreferencesConfig
 
@@ -19,10 +17,10 @@ STAGE = "preferences"
 
 def run(config: PreferencesConfig, *, force: bool = False) -> Manifest:
     """Build the pairs and write them; a cache hit returns the existing manifest."""
-    inputs = {"prompts": read_manifest(config.prompts).as_input(config.prompts)} if config.prompts else {}
-    key = cache_key(STAGE, config.resolved(), {r: i.content_hash for r, i in inputs.items()})
-    if not force and (cached := cached_manifest(config.output, key)) is not None:
-        return cached
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
     if config.kind == "answers":
         table = synthetic.answer_preferences(config.prompts, seed=config.seed)
     else:

@@ -22,15 +22,13 @@ from rlpipe.schemas import (
     REFERENCE,
     ROLLOUTS,
     ArtifactWriter,
-    InputRef,
     Manifest,
-    cache_key,
-    cached_manifest,
     iter_shards,
-    read_manifest,
 )
 from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
-from rlpipe.stages.common.models import checkpoint_key, load_model
+from rlpipe.stages.common.models import load_model
+from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.common.tables import KEY, list_array_from_numpy, shard_index
 from rlpipe.stages.reference.config import ReferenceConfig
 
@@ -83,13 +81,10 @@ def _check_vocab(model, prompts: list[list[int]], responses: list[list[int]], wh
 def run(config: ReferenceConfig, *, force: bool = False) -> Manifest:
     """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
     started = time.time()
-    inputs = {"rollouts": read_manifest(config.rollouts).as_input(config.rollouts)}
-    for role, path in (("reference_model", config.reference_model), ("critic", config.critic)):
-        if path is not None:
-            inputs[role] = InputRef(path=str(path), content_hash=checkpoint_key(path))
-    key = cache_key("reference", config.resolved(), {r: i.content_hash for r, i in inputs.items()})
-    if not force and (hit := cached_manifest(config.output, key)) is not None:
-        return hit
+    start = begin("reference", config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     device = _device(config.device)
     ref = _load(config.reference_model, "causal", device) if config.reference_model else None
@@ -98,32 +93,30 @@ def run(config: ReferenceConfig, *, force: bool = False) -> Manifest:
                             inputs=inputs, cache_key=key)
     shards = list(iter_shards(config.rollouts, ROLLOUTS, columns=COLUMNS))
     rows = tokens = 0
-    for path, table in _progress(shards, "reference"):
-        prompts = table.column("prompt_token_ids").to_pylist()
-        responses = table.column("response_token_ids").to_pylist()
-        for model, _ in filter(None, (ref, critic)):
-            _check_vocab(model, prompts, responses, path)
-        out = {name: table.column(name) for name in ("run", *KEY)}
-        out["ref_logprobs"] = (
-            list_array_from_numpy(teacher_forced_logprobs(ref[0], prompts, responses, ref[1], config.batch_size))
-            if ref else [None] * table.num_rows
-        )
-        out["values"] = (
-            list_array_from_numpy(critic_values(critic[0], prompts, responses, critic[1], config.batch_size))
-            if critic else [None] * table.num_rows
-        )
-        writer.write_shard(out, index=shard_index(path))
-        rows += table.num_rows
-        tokens += sum(len(r) for r in responses)
+    with progress("reference", sum(t.num_rows for _, t in shards)) as advance:
+        for path, table in shards:
+            _reference_shard(path, table, ref, critic, writer, config)
+            advance(table.num_rows)
+            rows += table.num_rows
+            tokens += sum(len(r) for r in table.column("response_token_ids").to_pylist())
     extra = {"rows": rows, "response_tokens": tokens, "device": str(device),
              "ref_logprobs": ref is not None, "values": critic is not None}
     return writer.commit(extra=extra, wall_time_s=time.time() - started)
 
 
-def _progress(items: list, label: str):
-    """Iterate `items` with a transient progress bar on stderr (silent when not a terminal)."""
-    from rich.console import Console
-    from rich.progress import track
-
-    console = Console(stderr=True)
-    return track(items, description=label, console=console, transient=True, disable=not console.is_terminal)
+def _reference_shard(path, table, ref, critic, writer: ArtifactWriter, config: ReferenceConfig) -> None:
+    """Reference log-probs and values of one rollouts shard, written as the shard of the same index."""
+    prompts = table.column("prompt_token_ids").to_pylist()
+    responses = table.column("response_token_ids").to_pylist()
+    for model, _ in filter(None, (ref, critic)):
+        _check_vocab(model, prompts, responses, path)
+    out = {name: table.column(name) for name in ("run", *KEY)}
+    out["ref_logprobs"] = (
+        list_array_from_numpy(teacher_forced_logprobs(ref[0], prompts, responses, ref[1], config.batch_size))
+        if ref else [None] * table.num_rows
+    )
+    out["values"] = (
+        list_array_from_numpy(critic_values(critic[0], prompts, responses, critic[1], config.batch_size))
+        if critic else [None] * table.num_rows
+    )
+    writer.write_shard(out, index=shard_index(path))

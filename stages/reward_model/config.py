@@ -42,7 +42,7 @@ class RewardModelConfig(StageConfig):
     """AdamW learning rate (constant)."""
     weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     """AdamW weight decay."""
-    max_grad_norm: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    grad_clip: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     """Gradient clipping norm (0 disables)."""
     max_length: int = Field(512, ge=2)
     """Token budget of prompt+response; longer sequences keep their last `max_length` tokens

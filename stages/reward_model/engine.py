@@ -1,4 +1,4 @@
-"""DeepSpeed side of the reward-model stage: process group, model loading, training, saving.
+"""DeepSpeed side of the reward-model stage: model loading, training, evaluation.
 
 Runs in one process on CPU (gloo, fp32) or under `torchrun` / `deepspeed` with several ranks:
 every rank reads the same pairs, takes its slice of each global batch, and evaluates the whole
@@ -7,81 +7,42 @@ held-out set (so ZeRO-3's collective parameter gathers stay in step).
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlpipe.stages.common.progress import progress
 from rlpipe.stages.reward_model.config import RewardModelConfig
 from rlpipe.stages.reward_model.core import epoch_batches
 from rlpipe.stages.reward_model.loss import bradley_terry_loss
 from rlpipe.stages.reward_model.modeling import (
     RewardCheckpointError,
     RewardModule,
-    num_labels,
     right_pad,
 )
 
 
-def init_distributed() -> tuple[int, int]:
-    """Start the process group if needed; returns (rank, world_size).
-
-    Under a launcher (torchrun / deepspeed set WORLD_SIZE and MASTER_ADDR) it joins that group;
-    in a plain process it starts a 1-rank group on a fresh file store (no port needed).
-    """
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            store = Path(tempfile.mkdtemp(prefix="rlpipe-dist-")) / "store"
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size()
-
-
 def load_base(path: Path, seed: int):
-    """(model, tokenizer): a 1-label sequence-classification model built from `path`.
+    """(model, tokenizer): a reward `ScalarHeadModel` built from `path`, any architecture.
 
-    A causal-LM checkpoint gets a fresh `score` head (initialised under `seed`); a
-    sequence-classification checkpoint must already have exactly one label.
+    A causal-LM checkpoint gets a fresh head (N(0, 1 / (H + 1)^2), seeded by `seed`); a reward
+    checkpoint (rlpipe scalar head, or a 1-label sequence-classification model) keeps its head.
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from rlpipe.stages.common.scalar_head import ScalarHeadCheckpointError, load_scalar_head_model
+    from rlpipe.stages.common.tiny import load_tokenizer
 
     if not (path / "config.json").is_file():
         raise RewardCheckpointError(f"base checkpoint {path} does not exist or has no config.json")
-    cfg = json.loads((path / "config.json").read_text())
-    archs = cfg.get("architectures") or []
-    if any(a.endswith("ForSequenceClassification") for a in archs) and num_labels(cfg) != 1:
-        raise RewardCheckpointError(f"base checkpoint {path} has a {num_labels(cfg)}-label head, not 1")
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is expected here
     hf_logging.disable_progress_bar()
     try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    if not isinstance(getattr(model, "score", None), torch.nn.Module):
-        raise RewardCheckpointError(f"{type(model).__name__} from {path} has no `score` head")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+        model = load_scalar_head_model(path, "reward", new_head="normal", seed=seed)
+    except ScalarHeadCheckpointError as e:
+        raise RewardCheckpointError(f"base checkpoint: {e}") from None
+    return model, load_tokenizer(path)
 
 
 @dataclass
@@ -144,21 +105,14 @@ def train(model, tokenizer, train_data: PairData, eval_data: PairData, cfg: Rewa
           rank: int, world_size: int):
     """Train with DeepSpeed; returns (engine, history). Loss per optimizer step, held-out metrics
     after every epoch (step = optimizer steps so far)."""
-    import deepspeed
     import torch.distributed as dist
 
-    ds_config = {
-        "train_micro_batch_size_per_gpu": cfg.batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation,
-        "train_batch_size": cfg.batch_size * cfg.gradient_accumulation * world_size,
-        "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-    module = RewardModule(model)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+    from rlpipe.stages.common.deepspeed import ds_config, make_engine
+
+    config = ds_config(cfg.zero_stage, micro_batch_size=cfg.batch_size, grad_accum=cfg.gradient_accumulation,
+                       world_size=world_size, grad_clip=cfg.grad_clip)
+    engine = make_engine(RewardModule(model), config, optimizer=lambda params: torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay))
     engine.train()
     pad_id = tokenizer.pad_token_id
     history = History()
@@ -166,7 +120,7 @@ def train(model, tokenizer, train_data: PairData, eval_data: PairData, cfg: Rewa
     epochs = [epoch_batches(len(train_data), cfg.batch_size, e, cfg.seed, rank, world_size)
               for e in range(cfg.epochs)]
     total = sum(len(b) for b in epochs)
-    with progress_bar("reward_model: training", total, enabled=rank == 0) as advance:
+    with progress("reward_model", total, enabled=rank == 0) as advance:
         for batches in epochs:
             for idx in batches:
                 batch = train_data.take(idx)
@@ -177,7 +131,7 @@ def train(model, tokenizer, train_data: PairData, eval_data: PairData, cfg: Rewa
                 boundary = engine.is_gradient_accumulation_boundary()
                 engine.step()
                 acc.append([float(loss.detach()), stats["accuracy"], stats["reward_margin"]])
-                advance()
+                advance(loss=acc[-1][0])
                 if boundary:
                     step += 1
                     mean = torch.tensor(acc, dtype=torch.float64).mean(0)
@@ -189,28 +143,3 @@ def train(model, tokenizer, train_data: PairData, eval_data: PairData, cfg: Rewa
             if len(eval_data):
                 history.log(step, **evaluate(engine, eval_data, pad_id, cfg))
     return engine, history
-
-
-@contextmanager
-def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[], None]]:
-    """A rich progress bar on stderr (transient); yields a function that advances it by one."""
-    if not enabled:
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda: progress.advance(task)
-
-
-def full_state_dict(engine, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
-    """The trained model's full state dict on rank 0 (ZeRO-3 partitions gathered first)."""
-    model = engine.module.model
-    if zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None

@@ -17,7 +17,7 @@ import torch
 
 
 class RewardCheckpointError(ValueError):
-    """A checkpoint is missing or is not a 1-label sequence-classification (reward) model."""
+    """A checkpoint is missing or is not a reward model (a scalar-head model with one output)."""
 
 
 def num_labels(cfg: dict) -> int:
@@ -26,7 +26,10 @@ def num_labels(cfg: dict) -> int:
 
 
 def check_reward_checkpoint(path: Path | str, what: str = "reward model") -> None:
-    """Raise RewardCheckpointError unless `path` holds a 1-label sequence-classification model."""
+    """Raise RewardCheckpointError unless `path` holds a reward model: an rlpipe scalar-head
+    reward model (scalar_head.py) or a 1-label `*ForSequenceClassification` model."""
+    from rlpipe.stages.common.scalar_head import read_kind
+
     path = Path(path)
     cfg_file = path / "config.json"
     if not path.is_dir():
@@ -34,14 +37,15 @@ def check_reward_checkpoint(path: Path | str, what: str = "reward model") -> Non
     if not cfg_file.is_file():
         raise RewardCheckpointError(f"{what} checkpoint {path} has no config.json (not a Hugging Face model)")
     cfg = json.loads(cfg_file.read_text())
-    archs = cfg.get("architectures") or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
+    kind = read_kind(path)
+    if kind != "reward":
+        described = {"causal": cfg.get("architectures"), "critic": "critic (value model)"}.get(kind, kind)
         raise RewardCheckpointError(
-            f"{what} checkpoint {path} is a {archs or 'model of unknown architecture'}, not a "
-            "sequence-classification reward model (train one with the reward_model stage)"
+            f"{what} checkpoint {path} is a {described}, not a sequence-classification reward model "
+            "nor an rlpipe scalar-head one (train one with the reward_model stage)"
         )
     n_labels = num_labels(cfg)
-    if n_labels != 1:
+    if "rlpipe_scalar_head" not in cfg and n_labels != 1:
         raise RewardCheckpointError(
             f"{what} checkpoint {path} has a {n_labels}-label head; a reward model has exactly 1 label"
         )
@@ -68,23 +72,21 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar reward of each right-padded sequence: the `score` head at its last real token.
+    """Scalar reward of each right-padded sequence: the head at its last real token.
 
-    Runs the backbone (`model.<base_model_prefix>`), then the head on one hidden state per
-    sequence: r[b] = score(h[b, len_b - 1]), len_b = attention_mask[b].sum().
+    `model` is a `ScalarHeadModel` (one output per position, scalar_head.py):
+    r[b] = head(h[b, len_b - 1]), len_b = attention_mask[b].sum().
 
     Shape:
         input_ids, attention_mask: (B, L). Returns (B,) float.
     """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    out = model(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0]  # (B, L)
     last = attention_mask.sum(dim=1) - 1  # right padding: the last real token sits at len - 1
-    h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    return model.score(h_last).squeeze(-1).float()
+    return out[torch.arange(out.shape[0], device=out.device), last].float()
 
 
 class RewardModule(torch.nn.Module):
-    """Wraps a sequence-classification model so DeepSpeed's forward is `sequence_rewards`."""
+    """Wraps a `ScalarHeadModel` so DeepSpeed's forward is `sequence_rewards`."""
 
     def __init__(self, model):
         super().__init__()

@@ -11,6 +11,7 @@ The checkpoint manifest is written after the metrics, so it exists only when bot
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -20,14 +21,14 @@ from rlpipe.schemas import (
     METRICS,
     PREFERENCES,
     Manifest,
-    cache_key,
     cached_manifest,
     commit_directory,
     read_manifest,
     read_table_artifact,
     write_table_artifact,
 )
-from rlpipe.schemas.manifest import MANIFEST_NAME, InputRef
+from rlpipe.schemas.manifest import MANIFEST_NAME
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.reward_model.config import RewardModelConfig
 
 STAGE = "reward_model"
@@ -40,32 +41,24 @@ def metrics_path(config: RewardModelConfig) -> Path:
 
 def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
     """Train the reward model; returns the checkpoint's manifest (cached when nothing changed)."""
-    import torch.distributed as dist
-
-    from rlpipe.stages.common.models import checkpoint_key
+    from rlpipe.stages.common.deepspeed import save_pretrained
+    from rlpipe.stages.common.distributed import barrier, init_distributed
     from rlpipe.stages.reward_model import engine as E
     from rlpipe.stages.reward_model.core import split_pairs
-    from rlpipe.stages.reward_model.modeling import RewardCheckpointError, encode
+    from rlpipe.stages.reward_model.modeling import encode
 
     started = time.time()
-    prefs_manifest = read_manifest(config.preferences)
-    if not (config.base / "config.json").is_file():
-        raise RewardCheckpointError(f"base checkpoint {config.base} does not exist or has no config.json")
-    hashes = {"preferences": prefs_manifest.content_hash, "base": checkpoint_key(config.base)}
-    key = cache_key(STAGE, config.resolved(), hashes)
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force and cached_manifest(metrics_path(config), key) is not None:
-        return cached
-    inputs = {
-        "preferences": prefs_manifest.as_input(config.preferences),
-        "base": InputRef(path=str(config.base), content_hash=hashes["base"]),
-    }
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None and cached_manifest(metrics_path(config), start.key) is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     # Data: every pair, tokenised once; the held-out split by seeded hash of pair_id.
     table = read_table_artifact(config.preferences, PREFERENCES)
     if table.num_rows == 0:
         raise ValueError(f"preferences artifact {config.preferences} has no rows")
-    rank, world_size = E.init_distributed()
+    dist_info = init_distributed()
+    rank, world_size = dist_info.rank, dist_info.world_size
     if rank == 0:  # the old outputs stop existing now: a killed run leaves nothing that looks complete
         (config.output / MANIFEST_NAME).unlink(missing_ok=True)
         (metrics_path(config) / MANIFEST_NAME).unlink(missing_ok=True)
@@ -84,16 +77,15 @@ def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
     # Train on DeepSpeed.
     engine, history = E.train(model, tokenizer, data.take(train_idx), data.take(eval_idx), config,
                               rank, world_size)
-    state = E.full_state_dict(engine, config.zero_stage, rank)
 
     # Write (rank 0): checkpoint files, metrics artifact, then the checkpoint manifest last.
+    out = config.output
     if rank == 0:
-        out = config.output
         out.mkdir(parents=True, exist_ok=True)
         for stale in [*out.glob("*.safetensors"), *out.glob("*.bin"), *out.glob("*.safetensors.index.json")]:
             stale.unlink()
-        model.save_pretrained(out, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(out)
+    save_pretrained(engine, tokenizer, out, rank, part=lambda module: module.model)  # collective
+    if rank == 0:
         metrics = {
             "run": [config.run] * len(history.rows),
             "iteration": [config.iteration] * len(history.rows),
@@ -110,6 +102,10 @@ def run(config: RewardModelConfig, *, force: bool = False) -> Manifest:
                    **{k: v for k, v in final.items() if k.startswith("eval_") or k == "loss"}}
         commit_directory(out, stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
                          extra=summary, wall_time_s=time.time() - started)
-    if world_size > 1:
-        dist.barrier()
+        accuracy = f"held-out pairwise accuracy {final['eval_accuracy']:.4f} on {len(eval_idx)} pairs" \
+            if "eval_accuracy" in final else "no held-out pairs (eval_fraction=0)"
+        print(f"reward_model: {summary['steps']} steps on {len(train_idx)} pairs, final loss "
+              f"{final.get('loss', float('nan')):.4f}, {accuracy}", file=sys.stderr)
+    engine.destroy()
+    barrier()
     return read_manifest(config.output)

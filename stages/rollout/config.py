@@ -49,6 +49,14 @@ class RolloutConfig(StageConfig):
     before it (the token ids and log-probs keep that token, as vLLM does)."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response (kept in it, like EOS), in addition to the tokenizer's EOS."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Apply the tokenizer's chat template (with add_generation_prompt=True) to every prompt: its
+    `messages`, or a plain `prompt` as one user turn. 'auto': when the tokenizer has a template
+    (the tiny local tokenizers have none, so plain prompts stay as they are). false: plain prompts
+    are tokenised as is, and prompts given as messages are refused."""
+    system_prompt: str | None = None
+    """A system turn put first in every templated prompt whose messages do not start with one of
+    their own (needs the chat template)."""
     seed: int = Field(0, ge=0)
     """Stage seed; group g is sampled with a seed derived from (seed, iteration, g)."""
 
@@ -88,4 +96,6 @@ class RolloutConfig(StageConfig):
             )
         if self.worker_index is None and self.worker_count != 1:
             raise ValueError("worker_count > 1 needs a worker_index (0..worker_count-1) per process")
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("system_prompt needs the chat template: set chat_template to true or 'auto'")
         return self

@@ -7,6 +7,8 @@ Nothing here reads a file or a config object.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -113,3 +115,24 @@ def find_stop(text: str, stops: tuple[str, ...] | list[str]) -> int | None:
     """Index where the earliest stop string starts in `text`, or None if none occurs."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+# ---------------------------------------------------------------------------------------------
+def chat_turns(prompt: str, messages: list[dict[str, str]] | None, system_prompt: str | None) -> list[dict[str, str]]:
+    """The turns a chat template renders: the prompt's messages, or the plain prompt as one user
+    turn, after a system turn `system_prompt` unless the messages start with a system turn."""
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages] if messages else [
+        {"role": "user", "content": prompt}]
+    if system_prompt is not None and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": system_prompt})
+    return turns
+
+
+def templated_token_ids(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
+    """Token ids of `turns` under the tokenizer's chat template, ending with the generation prompt
+    (the assistant turn's opening), exactly as `tokenizer.apply_chat_template(turns,
+    add_generation_prompt=True)` gives them (a list in transformers 4, a BatchEncoding in 5)."""
+    out = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)

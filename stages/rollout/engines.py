@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import import_module
 from typing import Any, Protocol
+
+from rlpipe.stages.common.cli import import_ref
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,7 @@ def get_engine(name: str) -> EngineFactory:
         ref = ENGINES[name]
     except KeyError:
         raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}") from None
-    module, _, attr = ref.partition(":")
-    return getattr(import_module(module), attr)
+    return import_ref(ref)
 
 
 register_engine("transformers", "rlpipe.stages.rollout.hf_engine:TransformersEngine")

@@ -12,6 +12,7 @@ token sits at the position it has in an unpadded forward pass.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,7 @@ class TransformersEngine:
     def __init__(self, checkpoint: Path, config: Any):
         import transformers
 
-        from rlpipe.stages.common.models import load_model
+        from rlpipe.stages.common.models import context_length, load_model
 
         transformers.utils.logging.disable_progress_bar()
         started = time.perf_counter()
@@ -45,7 +46,8 @@ class TransformersEngine:
         self.device = _device(config.device)
         if next(self.model.parameters()).device != self.device:
             self.model.to(self.device)
-        self.context_length = int(self.model.config.max_position_embeddings)
+        # No context length in the config (ALiBi: Bloom): nothing limits the prompt + response.
+        self.context_length = context_length(self.model.config) or sys.maxsize
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:

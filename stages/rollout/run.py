@@ -24,14 +24,21 @@ from rlpipe.schemas import (
     ROLLOUTS,
     ArtifactWriter,
     Manifest,
-    cache_key,
-    cached_manifest,
-    read_manifest,
     read_table_artifact,
     shard_name,
 )
+from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
+from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.rollout.config import RolloutConfig
-from rlpipe.stages.rollout.core import group_seed, select_prompts, shard_ranges, worker_shards
+from rlpipe.stages.rollout.core import (
+    chat_turns,
+    group_seed,
+    select_prompts,
+    shard_ranges,
+    templated_token_ids,
+    worker_shards,
+)
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec, get_engine
 
 STAGE = "rollout"
@@ -41,17 +48,17 @@ _PLACEMENT = ("worker_index", "worker_count")
 
 def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
     started = time.time()
-    inputs = {"prompts": read_manifest(config.prompts).as_input(config.prompts),
-              "policy": _checkpoint_input(config.checkpoint)}
-    content = {k: v for k, v in config.resolved().items() if k not in _PLACEMENT}
-    key = cache_key(STAGE, content, {role: ref.content_hash for role, ref in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+    # N workers splitting the work write what one process writes: the split is not in the key.
+    start = begin(STAGE, config, force=force,
+                  key_config={k: v for k, v in config.cache_dict().items() if k not in _PLACEMENT})
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     prompts = read_table_artifact(config.prompts, PROMPTS).to_pylist()
     if not prompts:
         raise ValueError(f"prompts artifact {config.prompts} has no rows: nothing to sample")
+    _check_prompts(prompts, config.prompts)
     groups = [prompts[i] for i in select_prompts(len(prompts), config.num_prompts, config.prompt_offset)]
     shards = shard_ranges(len(groups), config.groups_per_shard)
     mine = worker_shards(len(shards), config.worker_index, config.worker_count)
@@ -70,7 +77,8 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
         stop_token_ids=tuple(config.stop_token_ids),
     )
     files, gen_s, n_tokens = [], 0.0, 0
-    with _progress(sum(len(shards[k]) for k in mine), config) as advance:
+    who = "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
+    with progress(f"rollout ({config.engine}){who}: groups", sum(len(shards[k]) for k in mine)) as advance:
         for k in mine:
             rows: dict[str, list[Any]] = {c: [] for c in ROLLOUTS.column_names}
             for start in range(shards[k].start, shards[k].stop, config.batch_size):
@@ -99,26 +107,55 @@ def run(config: RolloutConfig, *, force: bool = False) -> Manifest:
         extra=extra)
 
 
-def _checkpoint_input(path: Path):
-    """The policy as an input: its manifest, or (a plain Hugging Face directory) its file identity."""
-    from rlpipe.schemas import InputRef, exists
-    from rlpipe.stages.common.models import checkpoint_key
+def _check_prompts(prompts: list[dict[str, Any]], path: Path) -> None:
+    """Refuse prompts that would give rows another prompt's tokens (a repeated prompt_id: tokens
+    are looked up by id) or sample from nothing (an empty prompt)."""
+    dups = duplicate_ids([p["prompt_id"] for p in prompts])
+    if dups:
+        raise ValueError(f"prompts artifact {path}: column 'prompt_id' repeats ids ({duplicates_text(dups)}; "
+                         "rows counted from 0 in artifact order): give every prompt its own id")
+    empty = empty_prompts([p["prompt"] for p in prompts], [p["messages"] for p in prompts])
+    if empty:
+        raise ValueError(f"prompts artifact {path}: empty prompts (column 'prompt' blank and no "
+                         f"'messages' with content) at rows {rows_text(empty)} (counted from 0 in "
+                         "artifact order): remove them or fill them in")
 
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"policy checkpoint {path} does not exist (no config.json there)")
-    if exists(path):
-        return read_manifest(path).as_input(path)
-    return InputRef(path=str(path), content_hash=checkpoint_key(path))
+
+def _use_chat_template(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> bool:
+    """Whether prompts go through the tokenizer's chat template (see RolloutConfig.chat_template)."""
+    has_template = getattr(engine.tokenizer, "chat_template", None) is not None
+    use = has_template if config.chat_template == "auto" else config.chat_template
+    if use and not has_template:
+        raise ValueError(f"chat_template is true but the tokenizer of {config.checkpoint} has no chat "
+                         "template: set one (tokenizer_config.json 'chat_template') or chat_template=false")
+    if not use:
+        chats = [i for i, row in enumerate(groups) if row["messages"]]
+        if chats:
+            why = "chat_template is false" if config.chat_template is False else \
+                f"the tokenizer of {config.checkpoint} has no chat template"
+            raise ValueError(f"prompts artifact {config.prompts} gives prompts as chat messages "
+                             f"(prompt_id {groups[chats[0]]['prompt_id']!r}, ...) but {why}: use a "
+                             "checkpoint whose tokenizer has a chat template, or plain-text prompts")
+        if config.system_prompt is not None:
+            raise ValueError(f"system_prompt is set but the tokenizer of {config.checkpoint} has no chat "
+                             "template to put it in: remove system_prompt or give the tokenizer a template")
+    return use
 
 
 def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> list[list[int]]:
-    """Prompt token ids per group; every prompt must leave room for max_new_tokens."""
+    """Prompt token ids per group (templated when the chat template applies); every prompt must
+    leave room for max_new_tokens."""
+    templated = _use_chat_template(engine, groups, config)
     cache: dict[str, list[int]] = {}
     out = []
     for row in groups:
         ids = cache.get(row["prompt_id"])
         if ids is None:
-            ids = cache[row["prompt_id"]] = list(engine.tokenizer(row["prompt"]).input_ids)
+            if templated:
+                turns = chat_turns(row["prompt"], row["messages"], config.system_prompt)
+                ids = cache[row["prompt_id"]] = templated_token_ids(engine.tokenizer, turns)
+            else:
+                ids = cache[row["prompt_id"]] = list(engine.tokenizer(row["prompt"]).input_ids)
             if not ids:
                 raise ValueError(f"prompt {row['prompt_id']!r} of {config.prompts} has no tokens")
             need = len(ids) + config.max_new_tokens
@@ -144,7 +181,7 @@ def _append_group(rows: dict[str, list[Any]], config: RolloutConfig, group_id: i
             ("prompt_token_ids", prompt_ids), ("answer", prompt["answer"]), ("response", s.text),
             ("response_token_ids", s.token_ids), ("response_logprobs", s.logprobs),
             ("finish_reason", s.finish_reason), ("sampling", sampling), ("engine", config.engine),
-            ("seed", seed),
+            ("seed", seed), ("metadata", prompt["metadata"]),
         ):
             rows[col].append(value)
 
@@ -169,21 +206,3 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
         "length_fraction": round(float(pc.sum(pc.equal(t["finish_reason"], "length")).as_py()) / n, 4),
     }
 
-
-def _progress(total: int, config: RolloutConfig):
-    """A rich progress bar over groups on stderr; yields advance(n)."""
-    from contextlib import contextmanager
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    @contextmanager
-    def bar():
-        who = "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
-        with Progress(TextColumn(f"rollout ({config.engine}){who}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("groups"), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=False) as progress:
-            task = progress.add_task("groups", total=total)
-            yield lambda n: progress.advance(task, n)
-
-    return bar()

@@ -65,11 +65,14 @@ class VLLMEngine:
         """Seconds to import vLLM and, on the first `generate` of a cold engine, to start it."""
         from transformers import AutoTokenizer
 
+        from rlpipe.stages.common.models import context_length
+
         self.checkpoint = Path(checkpoint)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         model_cfg = json.loads((self.checkpoint / "config.json").read_text())
-        self.context_length = int(config.max_model_len or model_cfg["max_position_embeddings"])
+        # vLLM assumes 2048 tokens when config.json names no context length (ALiBi: Bloom).
+        self.context_length = int(config.max_model_len or context_length(model_cfg) or 2048)
         self._check_head_dim(model_cfg)
 
     def _check_head_dim(self, model_cfg: dict[str, Any]) -> None:

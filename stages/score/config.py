@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import Assigned, ImportRef, Input, Output, StageConfig
 
 
 class _Component(BaseModel):
@@ -105,10 +105,16 @@ class OverlongComponent(_Component):
 
 
 class PythonComponent(_Component):
-    """A user function `fn(prompts, responses, answers, **kwargs) -> list[float]` called on batches."""
+    """A user reward or verifier `fn(prompts, responses, answers, **kwargs) -> list[float]`.
+
+    Called on batches of `batch_size` rows: three lists of equal length (prompt texts, response
+    texts, reference answers or None); returns one finite float per row (a verifier: 1.0 / 0.0).
+    A function that takes a `metadata` keyword (or **kwargs) also gets the rows' prompt metadata:
+    a list of dicts, one per row ({} where the prompt has none).
+    """
 
     type: Literal["python"] = "python"
-    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    function: ImportRef
     """Import path 'package.module:function'."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed on every call (JSON-able)."""
@@ -161,5 +167,8 @@ class ScoreConfig(StageConfig):
         return self
 
     def work_key(self) -> dict[str, Any]:
-        """The config minus how the work is split: equal for 1 process and for N workers."""
-        return self.model_dump(mode="json", exclude={"worker_count", "worker_index"})
+        """What decides the scores: the config without its paths (reward-model checkpoints enter
+        the key by content) and without how the work is split (1 process = N workers)."""
+        out = {k: v for k, v in self.cache_dict().items() if k not in ("worker_count", "worker_index")}
+        out["components"] = [{k: v for k, v in c.items() if k != "checkpoint"} for c in out["components"]]
+        return out

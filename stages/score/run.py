@@ -32,19 +32,20 @@ from rlpipe.schemas import (
     ArtifactError,
     ArtifactWriter,
     Manifest,
-    cache_key,
-    cached_manifest,
     read_manifest,
     read_shard,
 )
 from rlpipe.schemas.manifest import InputRef
+from rlpipe.stages.common.progress import progress
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.core import combine
 from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scorer
 
 STAGE = "score"
-KEYS = ("run", "iteration", "prompt_id", "group_id", "sample_index")
-READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason")
+#: Identity columns a scores row copies from its rollouts row: the join key (the schemas') + run, prompt_id.
+KEYS = ("run", "prompt_id", *SCORES.key)
+READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason", "metadata")
 
 
 def shard_index(name: str) -> int:
@@ -59,27 +60,24 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
     from rlpipe.stages.reward_model.modeling import RewardCheckpointError, check_reward_checkpoint
 
     started = time.time()
-    rollouts = read_manifest(config.rollouts)
-    if rollouts.schema_name != ROLLOUTS.name:
-        raise ArtifactError(f"{config.rollouts} holds {rollouts.schema_name!r} rows, expected 'rollouts'")
-    inputs = {"rollouts": rollouts.as_input(config.rollouts)}
+    models = {}  # a reward model's checkpoint enters the key by content, not by path
     for c in config.components:
         if c.type == "reward_model":
             try:
                 check_reward_checkpoint(c.checkpoint)
             except RewardCheckpointError as e:
                 raise ScoreError(c, None, "", str(e)) from None
-            inputs[f"reward_model:{c.name}"] = InputRef(path=str(c.checkpoint), content_hash=checkpoint_key(c.checkpoint))
-    key = cache_key(STAGE, config.work_key(), {role: ref.content_hash for role, ref in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+            models[f"reward_model:{c.name}"] = InputRef(path=str(c.checkpoint), content_hash=checkpoint_key(c.checkpoint))
+    start = begin(STAGE, config, force=force, extra_inputs=models, key_config=config.work_key())
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
 
     extra_columns = [SCORES.families[0].column(c.name, f"{c.type} component, weight {c.weight}")
                      for c in config.components]
-    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=config.work_key(), inputs=inputs,
+    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=_recorded(config), inputs=inputs,
                             cache_key=key, extra_columns=extra_columns, clean=config.worker_index is None)
-    names = rollouts.shard_names
+    names = read_manifest(config.rollouts).shard_names
     mine = names
     if config.worker_index is not None:
         mine = [n for n in names if shard_index(n) % config.worker_count == config.worker_index]
@@ -88,7 +86,7 @@ def run(config: ScoreConfig, *, force: bool = False) -> Manifest:
     # Score shard by shard: read, run every component (checked), write the scores shard.
     scorers = [build_scorer(c) for c in config.components]
     written = []
-    with _progress(f"score{_who(config)}", len(mine)) as advance:
+    with progress(f"score{_who(config)}: shards", len(mine)) as advance:
         for name in mine:
             table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ)
             rows = _rows(config.rollouts / name, table)
@@ -111,7 +109,25 @@ def _rows(shard: Path, table: pa.Table) -> Rows:
         lengths=pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False),
         group_ids=table.column("group_id").to_pylist(),
         sample_indices=table.column("sample_index").to_pylist(),
+        metadata=_metadata(shard, table),
     )
+
+
+def _metadata(shard: Path, table: pa.Table) -> list[dict[str, Any]]:
+    """The rows' metadata JSON objects, parsed once per shard ({} where null)."""
+    import json
+
+    out = []
+    for i, text in enumerate(table.column("metadata").to_pylist()):
+        try:
+            value = json.loads(text) if text is not None else {}
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{shard}, row {i}: column 'metadata' is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ArtifactError(f"{shard}, row {i}: column 'metadata' holds a JSON {type(value).__name__}, "
+                                "not an object")
+        out.append(value)
+    return out
 
 
 def _scores_table(table: pa.Table, config: ScoreConfig, values: list[np.ndarray]) -> dict[str, Any]:
@@ -147,19 +163,7 @@ def _who(config: ScoreConfig) -> str:
     return "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
 
 
-class _progress:
-    """A transient rich progress bar on stderr; `with _progress(desc, total) as advance:`."""
 
-    def __init__(self, description: str, total: int):
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self._bar = Progress(console=Console(stderr=True), transient=True)
-        self._task = self._bar.add_task(description, total=total)
-
-    def __enter__(self):
-        self._bar.__enter__()
-        return lambda: self._bar.advance(self._task)
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.__exit__(*exc)
+def _recorded(config: ScoreConfig) -> dict:
+    """The config the manifest records: the same whichever of N workers commits it."""
+    return {k: v for k, v in config.resolved().items() if k not in ("worker_index", "worker_count")}

@@ -10,7 +10,7 @@ Adding a component type: write a config class in config.py (with a new `type` li
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from rlpipe.schemas.errors import UserError
+from rlpipe.stages.common.cli import import_function
 from rlpipe.stages.score import verifiers as V
 from rlpipe.stages.score.contain import contain
 
@@ -35,6 +37,9 @@ class Rows:
     """Response lengths in tokens, (N,) int."""
     group_ids: list[int]
     sample_indices: list[int]
+    metadata: list[dict[str, Any]]
+    """Each row's prompt metadata (the prompts artifact's JSON object: test cases, choices, a
+    reference solution, ...), {} where the prompt has none: what a verifier needs beyond `answers`."""
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -43,7 +48,7 @@ class Rows:
         return f"row {i} (group_id={self.group_ids[i]}, sample_index={self.sample_indices[i]})"
 
 
-class ScoreError(RuntimeError):
+class ScoreError(UserError, RuntimeError):
     """A component failed or returned bad values; the message names component, shard and row."""
 
     def __init__(self, component: Any, shard: Path | str | None, where: str, what: str):
@@ -152,23 +157,35 @@ def reward_model_scorer(c: Any) -> Scorer:
     return score
 
 
+def accepts_metadata(fn: Callable[..., Any]) -> bool:
+    """Whether a user reward function takes a `metadata` keyword (by name, or through **kwargs):
+    functions written before metadata reached the score stage are called without it."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any(p.name == "metadata" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind is p.VAR_KEYWORD for p in params)
+
+
 @register("python")
 def python_scorer(c: Any) -> Scorer:
-    module_name, _, attr = c.function.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ScoreError(c, None, "", f"cannot import {c.function!r}: {e}") from None
-    if not callable(fn):
-        raise ScoreError(c, None, "", f"{c.function!r} is not callable")
+        fn = import_function(c.function)
+    except ValueError as e:
+        raise ScoreError(c, None, "", str(e)) from None
+    with_metadata = accepts_metadata(fn)
+    if with_metadata and "metadata" in c.kwargs:
+        raise ScoreError(c, None, "", f"{c.function} takes the rows' `metadata`; kwargs may not set it too")
     fn = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []
         for a in range(0, len(rows), c.batch_size):
             b = min(a + c.batch_size, len(rows))
+            extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
             try:
-                values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs)
+                values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
                 values = list(values)
             except Exception as e:  # a user function: report where, keep the original as cause
                 raise ScoreError(c, rows.shard, f"rows {a}..{b - 1}", f"{c.function} raised {type(e).__name__}: {e}") from e

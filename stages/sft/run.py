@@ -11,50 +11,40 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from rlpipe.schemas import (
     METRICS,
     PROMPTS,
-    InputRef,
     Manifest,
-    cache_key,
-    cached_manifest,
     commit_directory,
     read_manifest,
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.sft.config import SFTConfig
 
 STAGE = "sft"
 
 
-def _checkpoint_input(path: Path) -> InputRef:
-    """Input reference of a checkpoint directory (its manifest's hash, or a file-listing hash)."""
-    from rlpipe.stages.common.models import checkpoint_key
-
-    return InputRef(path=str(path), content_hash=checkpoint_key(path))
-
-
 def run(config: SFTConfig, *, force: bool = False) -> Manifest:
     import torch
     import transformers
-    from rich.progress import Progress
 
+    from rlpipe.stages.common import deepspeed as ds
+    from rlpipe.stages.common.distributed import barrier, init_distributed
     from rlpipe.stages.common.models import load_model, remember
+    from rlpipe.stages.common.progress import progress
     from rlpipe.stages.sft import core
-    from rlpipe.stages.sft import engine as ds
 
-    inputs = {"base": _checkpoint_input(config.base),
-              "prompts": read_manifest(config.prompts).as_input(config.prompts)}
-    key = cache_key(STAGE, config.resolved(), {k: v.content_hash for k, v in inputs.items()})
-    cached = cached_manifest(config.output, key)
-    if cached is not None and not force:
-        return cached
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    inputs, key = start.inputs, start.key
     started = time.time()
     transformers.utils.logging.disable_progress_bar()
-    rank, world = ds.ensure_distributed()
+    dist_info = init_distributed()
+    rank, world = dist_info.rank, dist_info.world_size
 
     # Data: one example per prompts row (prompt+answer+EOS, or plain text when answer is null).
     model, tokenizer = load_model(config.base, cache=False)
@@ -72,16 +62,17 @@ def run(config: SFTConfig, *, force: bool = False) -> Manifest:
     # Engine: fp32, AdamW, warm-up + decay, ZeRO stage from the config.
     torch.manual_seed(config.seed)
     model.train()
-    engine = ds.initialize(
-        model, lr=config.lr, weight_decay=config.weight_decay,
-        lr_lambda=lambda s: core.lr_factor(s, steps, config.warmup_steps, config.lr_schedule),
-        config=ds.ds_config(batch_size=config.batch_size, world_size=world,
-                            zero_stage=config.zero_stage, grad_clip=config.grad_clip),
-    )
+    if config.batch_size % world:
+        raise ValueError(f"batch_size {config.batch_size} does not divide by the world size {world}")
     micro = config.batch_size // world
+    engine = ds.make_engine(
+        model, ds.ds_config(config.zero_stage, micro_batch_size=micro, grad_accum=1, world_size=world,
+                            grad_clip=config.grad_clip),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay),
+        lr_lambda=lambda s: core.lr_factor(s, steps, config.warmup_steps, config.lr_schedule),
+    )
     rows: list[tuple[int, str, float]] = []
-    with Progress(transient=True, disable=rank != 0 or not sys.stderr.isatty()) as bar:
-        task = bar.add_task("sft", total=steps)
+    with progress("sft", steps, enabled=rank == 0) as advance:
         for step, idx in enumerate(schedule):
             batch = [examples[i] for i in idx]
             n_targets = sum(e.num_targets for e in batch)  # global: every rank sees the whole batch
@@ -96,11 +87,11 @@ def run(config: SFTConfig, *, force: bool = False) -> Manifest:
             # The logged loss is the global token-mean (sum of the ranks' parts / world).
             loss_value = _mean_over_ranks(loss.detach(), world)
             rows += [(step, "loss", loss_value), (step, "lr", lr), (step, "target_tokens", float(n_targets))]
-            bar.update(task, advance=1, description=f"sft loss {loss_value:.3f}")
+            advance(loss=loss_value)
 
     # Checkpoint (manifest last), then the metrics artifact.
     (config.output / "_manifest.json").unlink(missing_ok=True)
-    ds.save_hf(engine, tokenizer, config.output, rank=rank, zero_stage=config.zero_stage)
+    trained = ds.save_pretrained(engine, tokenizer, config.output, rank)
     train_time = time.time() - started
     losses = [v for _, n, v in rows if n == "loss"]
     summary = {"steps": steps, "examples": len(examples), "world_size": world,
@@ -117,10 +108,11 @@ def run(config: SFTConfig, *, force: bool = False) -> Manifest:
         )
         manifest = commit_directory(config.output, stage=STAGE, config=config.resolved(), inputs=inputs,
                                     cache_key=key, extra=summary, wall_time_s=train_time)
-        if config.zero_stage < 3:  # keep the trained model warm for the next stage in this process
-            remember(config.output, "causal", engine.module.eval(), tokenizer)
+        remember(config.output, "causal", trained, tokenizer)  # warm for the next stage in this process
+        print(f"sft: {steps} steps on {len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+              f"(final), {train_time:.1f} s", file=sys.stderr)
     engine.destroy()
-    _barrier(world)
+    barrier()
     return manifest if manifest is not None else read_manifest(config.output)
 
 
@@ -130,10 +122,3 @@ def _mean_over_ranks(x, world: int) -> float:
     if world > 1:
         dist.all_reduce(x)
     return float(x) / world
-
-
-def _barrier(world: int) -> None:
-    import torch.distributed as dist
-
-    if world > 1:
-        dist.barrier()

@@ -6,7 +6,8 @@ complete and writes nothing.
 
 from __future__ import annotations
 
-from rlpipe.schemas import Manifest, cache_key, cached_manifest
+from rlpipe.schemas import Manifest, cached_manifest
+from rlpipe.stages.common.stage_io import begin
 from rlpipe.stages.task import arithmetic
 from rlpipe.stages.task.config import TaskConfig
 
@@ -15,10 +16,10 @@ STAGE = "task"
 
 def run(config: TaskConfig, *, force: bool = False) -> Manifest:
     """Write the outputs of `config`; returns the training prompts' manifest."""
-    key = cache_key(STAGE, config.resolved(), {})
-    outputs = config.outputs()
-    if not force and all(cached_manifest(p, key) is not None for p in outputs.values()):
-        return cached_manifest(config.train, key)
+    start = begin(STAGE, config, force=force)
+    if start.cached is not None:
+        return start.cached
+    key, outputs = start.key, config.outputs()
     task = config.to_task()
     splits = arithmetic.split_problems(task, {"train": config.n_train, "heldout": config.n_heldout}, config.seed)
     for split, problems in splits.items():

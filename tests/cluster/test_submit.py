@@ -80,7 +80,7 @@ def test_cli_prints_and_rejects(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# A real one-node Slurm cluster (RECIPES.md): munge + slurmctld + slurmd in a temporary state dir.
+# A real one-node Slurm cluster: munge + slurmctld + slurmd in a temporary state dir.
 # ------------------------------------------------------------------------------------------------
 SLURM_CONF = """\
 ClusterName=rlpipe-test
@@ -166,6 +166,7 @@ def slurm_cluster():
         shutil.rmtree(s, ignore_errors=True)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_real_slurm_runs_a_rendered_two_rank_job(slurm_cluster, tmp_path):
     """sbatch a rendered job: 2 Slurm tasks (ranks) on the one node all-reduce over gloo."""

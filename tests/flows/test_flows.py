@@ -1,5 +1,7 @@
 """The Prefect flows run for real, on Prefect's test harness (a temporary local API)."""
 
+import json
+
 import pytest
 
 from rlpipe.flows.settings import configure
@@ -15,6 +17,7 @@ def prefect_harness():
         yield
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file, tmp_path):
     from prefect.client.orchestration import get_client
@@ -31,16 +34,45 @@ def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file
     assert (run_dir / "report/curves.png").is_file()
 
     # one stage alone on saved artifacts, as a flow: reproduces the run's artifact
-    import yaml
+    from rlpipe.schemas.config import load_config
+    from rlpipe.stages.score.config import ScoreConfig
 
-    config = yaml.safe_load((run_dir / "iter_0000/configs/score.yaml").read_text())
-    config["output"] = str(tmp_path / "rescored")
+    # the saved YAML's paths are relative to its folder: load_config resolves them
+    config = load_config(ScoreConfig, run_dir / "iter_0000/configs/score.yaml",
+                         [f"output={tmp_path / 'rescored'}"]).resolved()
     result = stage_flow("score", config)
     assert result["content_hash"] == read_manifest(run_dir / "iter_0000/scores").content_hash
 
-    # the iteration's metrics table was published as a Prefect artifact
-    with get_client(sync_client=True) as client:
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
 
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mini-iter-0000"])))
-    assert arts and "reward_mean" in arts[0].data
+    from rlpipe.pipelines.report import run_table
+
+    with get_client(sync_client=True) as client:
+        # the per-iteration summary as a table artifact: the report's numbers
+        [table] = client.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mini-iterations"])))
+        assert table.type == "table" and json.loads(table.data) == run_table(run_dir).to_dicts()
+        [progress] = client.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mini-progress"])))
+        assert progress.type == "progress" and progress.data == 100.0
+        assert progress.description == "iteration 1/1: optimize done"
+        # the data flow within the iteration, as task dependencies recorded by the API
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    name = {r.id: r.name.rsplit("-", 1)[0] for r in runs}  # "score[iter_0000]-a1b" -> "score[iter_0000]"
+    # every recorded input (wait_for and the parameters), as the UI draws them
+    upstream = {name[r.id]: {name[i.id] for key, inputs in r.task_inputs.items() if key != "__parents__"
+                             for i in inputs} for r in runs}
+    assert upstream == {
+        "task[task]": set(),  # the set-up stages: prompts, the tiny base model, SFT
+        "base_model[models]": set(),
+        "sft[models]": {"base_model[models]", "task[task]"},
+        "evaluate[mini]": {"sft[models]", "task[task]"},  # eval_0000: the starting policy on held-out prompts
+        "rollout[iter_0000]": {"sft[models]", "task[task]"},
+        "score[iter_0000]": {"rollout[iter_0000]"},
+        "advantage[iter_0000]": {"score[iter_0000]"},
+        "optimize[iter_0000]": {"sft[models]", "rollout[iter_0000]", "advantage[iter_0000]"},
+        "evaluate[iter_0000]": {"optimize[iter_0000]", "task[task]"},
+    }

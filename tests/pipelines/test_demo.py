@@ -7,6 +7,7 @@ from rlpipe.pipelines.report import eval_metrics
 from rlpipe.pipelines.runner import Pipeline
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_shortened_demo_reward_and_heldout_accuracy_rise(tmp_path):
     preset = load_preset("demo", ["iterations=12", "eval_every=0"])

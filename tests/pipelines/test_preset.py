@@ -10,16 +10,43 @@ def test_builtin_presets_exist():
     assert {"demo", "grpo", "ppo", "grpo_rm"} <= set(builtin_presets())
 
 
+def _contains(got, want) -> bool:
+    """Every key/value written in `want` (a YAML fragment) is in `got` (a config dumped to JSON)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(k in got and _contains(got[k], v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(_contains, got, want))
+    return got == want
+
+
 @pytest.mark.parametrize("name", ["demo", "grpo", "ppo", "grpo_rm"])
 def test_builtin_preset_loads_and_every_stage_config_validates(name):
+    """Every knob written in the preset file reaches its stage's config with that value (none is
+    dropped, renamed or overridden by a default on the way)."""
+    import yaml
+
+    from rlpipe.pipelines.preset import PRESETS_DIR
+    from rlpipe.pipelines.runner import STAGE_RUNS, _placeholders, stage_config
+
+    raw = yaml.safe_load((PRESETS_DIR / f"{name}.yaml").read_text())
     preset = load_preset(name)
     assert preset.name == name
-    assert preset.iterations >= 1
+    assert (preset.iterations, preset.prompts_per_iteration) == (raw["iterations"], raw["prompts_per_iteration"])
+    checked = 0
+    for stage in STAGE_RUNS:
+        fragment = raw.get(stage)
+        if not fragment:
+            continue
+        cfg = stage_config(stage, getattr(preset, stage), **_placeholders(stage, preset)).model_dump(mode="json")
+        for key, value in fragment.items():
+            assert _contains(cfg[key], value), f"{name}: {stage}.{key} = {cfg[key]!r}, the preset says {value!r}"
+            checked += 1
+    assert checked >= 5, f"{name}: only {checked} stage knobs found"
 
 
 def test_ppo_preset_uses_gae_critic_and_kl_in_reward():
     p = load_preset("ppo")
-    assert p.advantage["estimator"] == "gae" and p.advantage["kl"]["in_reward"] is True
+    assert p.advantage["estimator"]["name"] == "gae" and p.advantage["kl"]["in_reward"] is True
     assert p.model.critic and p.model.reference and p.rollout["group_size"] == 1
 
 
@@ -34,6 +61,15 @@ def test_bad_literal_lists_allowed_values():
     with pytest.raises(ConfigError) as e:
         load_preset("grpo", ["advantage.estimator=grpoo"])
     assert "grpoo" in str(e.value) and "rloo" in str(e.value)
+
+
+def test_algorithm_overrides_replace_or_tune_the_presets_variant():
+    assert load_preset("grpo", ["advantage.estimator=rloo"]).advantage["estimator"] == "rloo"
+    p = load_preset("ppo", ["advantage.estimator.lam=0.9", "optimize.loss=gspo"])
+    assert p.advantage["estimator"] == {"name": "gae", "gamma": 1.0, "lam": 0.9}
+    assert p.optimize["loss"] == "gspo"
+    with pytest.raises(ConfigError, match="unknown key 'estimator.lam'; allowed keys: eps, name, scale, std"):
+        load_preset("grpo", ["advantage.estimator.lam=0.9"])  # grpo has no lambda
 
 
 def test_pipeline_owned_field_is_rejected():

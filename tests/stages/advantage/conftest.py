@@ -22,7 +22,7 @@ def rollout_row(group_id: int, sample_index: int, prompt_ids: list[int], respons
         "run": "test", "iteration": iteration, "policy_version": 0, "prompt_id": f"p{group_id}",
         "group_id": group_id, "sample_index": sample_index, "prompt": "q", "prompt_token_ids": prompt_ids,
         "answer": None, "response": "a", "response_token_ids": response_ids, "response_logprobs": logprobs,
-        "finish_reason": "stop", "engine": "transformers", "seed": 0,
+        "finish_reason": "stop", "engine": "transformers", "seed": 0, "metadata": None,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8},
     }
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlpipe.schemas import ADVANTAGES, ConfigError, load_config, read_manifest, read_table_artifact
 from rlpipe.stages.advantage.__main__ import main
-from rlpipe.stages.advantage.config import AdvantageConfig
+from rlpipe.stages.advantage.config import AdvantageConfig, DrGRPOEstimator, GAEEstimator
 from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
 from rlpipe.stages.advantage.kl import kl_token_rewards
 from rlpipe.stages.advantage.run import run
@@ -44,7 +45,7 @@ def _write_inputs(tmp_path, artifacts, *, with_reference: bool = False, values: 
 def test_grpo_end_to_end_golden_counts_order_and_cache(tmp_path, artifacts):
     _write_inputs(tmp_path, artifacts)
     config = AdvantageConfig(scores=tmp_path / "scores", rollouts=tmp_path / "rollouts", output=tmp_path / "adv",
-                             estimator="grpo", std="population")
+                             estimator={"name": "grpo", "std": "population"})
     manifest = run(config)
 
     scores_manifest = read_manifest(tmp_path / "scores")
@@ -53,7 +54,7 @@ def test_grpo_end_to_end_golden_counts_order_and_cache(tmp_path, artifacts):
     table = read_table_artifact(tmp_path / "adv", ADVANTAGES).to_pylist()
     assert [(r["group_id"], r["sample_index"]) for r in table] == [(g, s) for g, s, _, _ in SCORE_ROWS]
     adv = {(r["group_id"], r["sample_index"]): r["advantage"] for r in table}
-    # ALGORITHMS.md worked example (population std): [+1.265, +0.632, -0.632, -1.265]
+    # worked example (population std): [+1.265, +0.632, -0.632, -1.265]
     assert [adv[(5, s)] for s in range(4)] == pytest.approx([1.265, 0.632, -0.632, -1.265], abs=5e-4)
     # group 1: r = [0, 1, 1], mean 2/3, population std sqrt(2) / 3
     assert [adv[(1, s)] for s in range(3)] == pytest.approx([-math.sqrt(2), 1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-5)
@@ -65,6 +66,7 @@ def test_grpo_end_to_end_golden_counts_order_and_cache(tmp_path, artifacts):
         assert row["estimator"] == "grpo"
         assert json.loads(row["estimator_params"]) == {"std": "population", "scale": "group", "eps": 1e-6,
                                                        "kl_estimator": "k1", "kl_in_reward": False, "kl_beta": 0.05}
+    assert manifest.config["estimator"] == {"name": "grpo", "std": "population", "scale": "group", "eps": 1e-6}
     assert manifest.extra["groups"] == 4
     assert manifest.extra["zero_variance_groups"] == 2  # group 9 (equal rewards) and group 3 (one sample)
     assert manifest.extra["zero_variance_fraction"] == 0.5
@@ -77,7 +79,7 @@ def test_grpo_end_to_end_golden_counts_order_and_cache(tmp_path, artifacts):
     assert run(config).created_at == manifest.created_at
     assert run(config, force=True).content_hash == manifest.content_hash
     # Another estimator: another key, another content.
-    other = run(config.model_copy(update={"estimator": "dr_grpo"}))
+    other = run(config.model_copy(update={"estimator": DrGRPOEstimator()}))
     assert other.cache_key != manifest.cache_key and other.content_hash != manifest.content_hash
 
 
@@ -92,16 +94,30 @@ def test_cli_runs_alone_on_saved_scores(tmp_path, artifacts, capsys):
     assert read_manifest(tmp_path / "adv").inputs.keys() == {"scores"}
 
 
+def test_cli_runs_a_user_estimator_by_import_path(tmp_path, artifacts, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # user_estimators.py
+    _write_inputs(tmp_path, artifacts)
+    assert main([f"scores={tmp_path / 'scores'}", f"output={tmp_path / 'adv'}", "estimator.name=custom",
+                 "estimator.function=user_estimators:scaled_reward", "estimator.kwargs.scale=-2"]) == 0
+    table = read_table_artifact(tmp_path / "adv", ADVANTAGES).to_pylist()
+    for row, (_, _, n, reward) in zip(table, SCORE_ROWS, strict=True):  # A_i = -2 r_i on each of its n tokens
+        assert row["advantage"] == pytest.approx(-2 * reward) and row["token_advantages"] == [pytest.approx(-2 * reward)] * n
+        assert row["estimator"] == "custom"
+        assert json.loads(row["estimator_params"])["function"] == "user_estimators:scaled_reward"
+    saved = read_manifest(tmp_path / "adv").config["estimator"]  # the nested form is what is recorded
+    assert saved == {"name": "custom", "function": "user_estimators:scaled_reward", "kwargs": {"scale": -2}}
+
+
 def test_kl_in_reward_gae_end_to_end(tmp_path, artifacts):
     _write_inputs(tmp_path, artifacts, with_reference=True)
     # gamma = lambda = 1 and no whitening: the return at t = 0 is the KL-penalised total
     # R - beta * sum_t k1_t, and A_t = R_t - V_t.
     base = dict(scores=tmp_path / "scores", rollouts=tmp_path / "rollouts", reference=tmp_path / "reference",
-                output=tmp_path / "adv", estimator="gae", gamma=1.0, lam=1.0, whiten=False)
+                output=tmp_path / "adv", estimator={"name": "gae", "gamma": 1.0, "lam": 1.0, "whiten": False})
     manifest = run(AdvantageConfig(**base, kl={"in_reward": True, "beta": 6.0, "controller": "adaptive",
                                              "target": 0.01, "horizon": 100}))
     rows = {(r["group_id"], r["sample_index"]): r for r in read_table_artifact(tmp_path / "adv").to_pylist()}
-    r51 = rows[(5, 1)]  # ALGORITHMS.md worked example: R_RM = 0.8, KL = 0.05, beta = 6 -> 0.5
+    r51 = rows[(5, 1)]  # worked example: R_RM = 0.8, KL = 0.05, beta = 6 -> 0.5
     assert r51["kl"] == pytest.approx([0.05], abs=1e-6)
     assert r51["returns"] == pytest.approx([0.5], abs=1e-6)
     r5 = rows[(5, 0)]
@@ -120,7 +136,8 @@ def test_kl_in_reward_gae_end_to_end(tmp_path, artifacts):
     assert manifest.extra["kl_beta_next"] == pytest.approx(6 * (1 + 0.2 * 12 / 100))
 
     # With whitening and lambda < 1: the artifact equals the pure functions on the same numbers.
-    manifest = run(AdvantageConfig(**{**base, "lam": 0.9, "whiten": True}, kl={"in_reward": True, "beta": 0.5}))
+    gae_cfg = GAEEstimator(gamma=1.0, lam=0.9, whiten=True)
+    manifest = run(AdvantageConfig(**{**base, "estimator": gae_cfg}, kl={"in_reward": True, "beta": 0.5}))
     rows = read_table_artifact(tmp_path / "adv").to_pylist()
     T = max(lengths)
     mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths], dtype=torch.float64)
@@ -130,8 +147,8 @@ def test_kl_in_reward_gae_end_to_end(tmp_path, artifacts):
 
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     token_rewards = kl_token_rewards(rewards, pad("kl"), mask, 0.5)
-    expected = compute_advantages("gae", AdvantageInputs(rewards, torch.arange(len(rows)), mask, token_rewards,
-                                                         pad("values")), gamma=1.0, lam=0.9, whiten=True, eps=1e-6)
+    expected = compute_advantages(gae_cfg, AdvantageInputs(rewards, torch.arange(len(rows)), mask, token_rewards,
+                                                           pad("values")))
     torch.testing.assert_close(pad("token_advantages"), expected.token_advantages, atol=1e-5, rtol=0)
     torch.testing.assert_close(pad("returns"), expected.returns, atol=1e-5, rtol=0)
     assert "kl_beta_next" in manifest.extra and manifest.extra["kl_beta_next"] == 0.5  # fixed controller
@@ -154,9 +171,9 @@ def test_errors_name_the_problem(tmp_path, artifacts):
     with pytest.raises(ValueError, match="holds no critic values"):
         run(AdvantageConfig(**base, estimator="gae"))
     with pytest.raises(ConfigError, match="kl.in_reward needs both"):
-        load_config(AdvantageConfig, None, [f"scores={tmp_path}", f"output={tmp_path}", "kl.in_reward=true"])
+        load_config(AdvantageConfig, None, [f"scores={tmp_path}/scores", f"output={tmp_path}/out", "kl.in_reward=true"])
     with pytest.raises(ConfigError, match="needs kl.target"):
-        load_config(AdvantageConfig, None, [f"scores={tmp_path}", f"output={tmp_path}", "kl.controller=adaptive"])
+        load_config(AdvantageConfig, None, [f"scores={tmp_path}/scores", f"output={tmp_path}/out", "kl.controller=adaptive"])
     # a rollouts artifact that lacks a scored row
     partial = [artifacts.rollout(g, s, [1], [3] * n, [-1.0] * n) for g, s, n, _ in SCORE_ROWS[:-1]]
     artifacts.write(tmp_path / "partial", artifacts.ROLLOUTS_, partial)

@@ -1,16 +1,24 @@
-"""Advantage estimators: golden numbers (ALGORITHMS.md), hand-computed GAE, loop-vs-vectorised."""
+"""Advantage estimators: golden numbers, hand-computed GAE, loop-vs-vectorised, the registry."""
 
 from __future__ import annotations
 
 import math
 import random
 import statistics
-import typing
+from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
 
-from rlpipe.stages.advantage.config import EstimatorName
+from rlpipe.schemas.config import ConfigError, Variant, parse_config, union_tags
+from rlpipe.stages.advantage.config import (
+    AdvantageConfig,
+    CustomEstimator,
+    EstimatorConfig,
+    GAEEstimator,
+    GRPOEstimator,
+)
 from rlpipe.stages.advantage.estimators import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
@@ -19,7 +27,7 @@ from rlpipe.stages.advantage.estimators import (
     gae,
     grpo,
     masked_whiten,
-    register,
+    register_estimator,
     reinforce_pp_baseline,
     rloo,
 )
@@ -28,12 +36,17 @@ R4 = torch.tensor([1.0, 0.8, 0.4, 0.2], dtype=torch.float64)
 ONE_GROUP = torch.zeros(4, dtype=torch.long)
 
 
+def estimator(name: str, **knobs) -> Variant:
+    """The config variant registered under `name`, with `knobs` (the rest at their defaults)."""
+    return ADVANTAGE_ESTIMATORS[name].config(**knobs)
+
+
 # ---------------------------------------------------------------------------------------------
-# Golden numbers from ALGORITHMS.md section 5
+# Golden numbers
 # ---------------------------------------------------------------------------------------------
 def test_grpo_golden_population_std():
     # mean 0.6, population std sqrt((0.16 + 0.04 + 0.04 + 0.16) / 4) = 0.3162
-    out = grpo(R4, ONE_GROUP, std="population")
+    out = grpo(R4, ONE_GROUP, std="population", scale="group")
     torch.testing.assert_close(out.advantages, torch.tensor([1.265, 0.632, -0.632, -1.265], dtype=torch.float64),
                                atol=5e-4, rtol=0)
     assert not out.no_signal.any()
@@ -41,7 +54,7 @@ def test_grpo_golden_population_std():
 
 def test_grpo_golden_sample_std():
     # sample std sqrt(0.4 / 3) = 0.3651
-    out = grpo(R4, ONE_GROUP, std="sample")
+    out = grpo(R4, ONE_GROUP, std="sample", scale="group")
     torch.testing.assert_close(out.advantages, torch.tensor([1.095, 0.548, -0.548, -1.095], dtype=torch.float64),
                                atol=5e-4, rtol=0)
 
@@ -51,7 +64,7 @@ def test_grpo_scales():
     g = torch.tensor([0, 0, 1, 1])
     # group means 0.5 and 0.4 -> centred [0.5, -0.5, 0.1, -0.1]
     centred = torch.tensor([0.5, -0.5, 0.1, -0.1], dtype=torch.float64)
-    torch.testing.assert_close(grpo(r, g, scale="none").advantages, centred)
+    torch.testing.assert_close(grpo(r, g, std="sample", scale="none").advantages, centred)
     torch.testing.assert_close(dr_grpo(r, g).advantages, centred)
     # batch: divide by the population std of all four rewards
     batch_std = statistics.pstdev([1.0, 0.0, 0.5, 0.3])
@@ -70,14 +83,14 @@ def test_rloo_equals_leave_one_out_and_scaled_centering():
                                                  dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.keys() - {"gae"}))
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS.keys() - {"gae", "custom"}))
 def test_zero_variance_and_singleton_groups_give_zero_and_are_flagged(name):
     # group 0: all equal (0.1 three times, whose float mean is not exactly 0.1); group 1: one
     # sample; group 2: a real signal.
     r = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.2, 0.7], dtype=torch.float64)
     g = torch.tensor([0, 0, 0, 1, 2, 2])
     mask = torch.ones(6, 3, dtype=torch.float64)
-    out = compute_advantages(name, AdvantageInputs(r, g, mask, torch.zeros(6, 3, dtype=torch.float64)))
+    out = compute_advantages(estimator(name), AdvantageInputs(r, g, mask, torch.zeros(6, 3, dtype=torch.float64)))
     assert out.no_signal.tolist() == [True, True, True, True, False, False]
     if name == "reinforce_pp_baseline":
         # zero before whitening: the degenerate rows all get the same value -mu / sigma
@@ -112,15 +125,22 @@ def test_gae_hand_computed_2x4_masked():
     torch.testing.assert_close(adv, expected_adv, atol=1e-12, rtol=0)
     torch.testing.assert_close(ret, expected_ret, atol=1e-12, rtol=0)
 
-    # Whitening over the 6 real tokens only: mean 0.9631 / 6, sample std (n - 1 = 5).
+    # Whitening over the 6 real tokens only: mean mu = 0.9631 / 6 = 0.16051667, sample std (n - 1 = 5)
+    # sd = sqrt((sum x^2 - 6 mu^2) / 5) = sqrt((0.76857901 - 0.15459360) / 5) = 0.35042414.
     real = [-0.1499, -0.022, 0.24, 0.8, 0.195, -0.1]
-    mu, sd = statistics.mean(real), statistics.stdev(real)
-    assert mu == pytest.approx(0.9631 / 6)
-    out = compute_advantages("gae", AdvantageInputs(torch.zeros(2), torch.arange(2), mask, r, v),
-                             gamma=gamma, lam=lam, eps=0.0)
+    mu, sd = 0.9631 / 6, math.sqrt((sum(x * x for x in real) - 0.9631 ** 2 / 6) / 5)
+    # eps = 0 (the config asks for > 0; model_construct skips that) makes the whitening exact.
+    cfg = GAEEstimator.model_construct(gamma=gamma, lam=lam, whiten=True, eps=0.0)
+    out = compute_advantages(cfg, AdvantageInputs(torch.zeros(2), torch.arange(2), mask, r, v))
     expected_white = torch.tensor([[(x - mu) / sd for x in real[:4]], [(x - mu) / sd for x in real[4:]] + [0, 0]],
                                   dtype=torch.float64)
     torch.testing.assert_close(out.token_advantages, expected_white, atol=1e-12, rtol=0)
+    # The output itself is whitened over the real tokens only: masked mean 0 and sample std 1. With
+    # the 2 padded zeros counted it would not be; with the population std its std would be sqrt(6/5).
+    white = out.token_advantages[mask.bool()]
+    assert white.numel() == 6
+    assert white.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert white.std(correction=1).item() == pytest.approx(1.0, abs=1e-12)
     torch.testing.assert_close(out.returns, expected_ret, atol=1e-12, rtol=0)
 
 
@@ -164,7 +184,7 @@ def _degenerate(members: list[float]) -> bool:
     return len(members) < 2 or max(members) == min(members)
 
 
-def loop_grpo(r, g, lengths, tr, v, *, std="sample", scale="group", eps=1e-6):
+def loop_grpo(r, g, lengths, tr, v, *, std, scale, eps):
     sd = statistics.stdev if std == "sample" else statistics.pstdev
     batch_sd = sd(r)
     groups = _groups(g)
@@ -200,12 +220,12 @@ def _whiten(rows: list[list[float]], eps: float) -> list[list[float]]:
     return [[(x - mu) / (sd + eps) for x in row] for row in rows]
 
 
-def loop_reinforce_pp_baseline(r, g, lengths, tr, v, *, eps=1e-6):
+def loop_reinforce_pp_baseline(r, g, lengths, tr, v, *, eps):
     centred = loop_dr_grpo(r, g, lengths, tr, v)
     return _whiten(centred, eps)
 
 
-def loop_gae(r, g, lengths, tr, v, *, gamma=1.0, lam=0.95, whiten=True, eps=1e-6):
+def loop_gae(r, g, lengths, tr, v, *, gamma, lam, whiten, eps):
     rows = []
     for b, n in enumerate(lengths):
         adv = [0.0] * n
@@ -236,9 +256,15 @@ KNOB_CASES = {
 }
 
 
-def test_every_estimator_has_a_loop_reference_and_config_literal_matches():
-    assert set(LOOP_REFERENCES) == set(ADVANTAGE_ESTIMATORS) == set(KNOB_CASES)
-    assert set(typing.get_args(EstimatorName)) == set(ADVANTAGE_ESTIMATORS)
+def test_every_builtin_estimator_has_a_loop_reference():
+    assert set(LOOP_REFERENCES) == set(KNOB_CASES) == set(ADVANTAGE_ESTIMATORS) - {"custom"}
+
+
+def test_config_union_and_registry_name_the_same_estimators():
+    # One list of names: each tag of the config union is registered with that very variant class.
+    tags = union_tags(EstimatorConfig)
+    assert set(tags) == set(ADVANTAGE_ESTIMATORS)
+    assert all(ADVANTAGE_ESTIMATORS[name].config is cls for name, cls in tags.items())
 
 
 def _random_batch(seed: int, n_groups: int):
@@ -270,15 +296,16 @@ def test_loop_vs_vectorised(name, seed, n_groups):
     for knobs in KNOB_CASES[name]:
         if name == "grpo" and knobs["scale"] == "batch" and len(r) < 2:
             continue
-        out = compute_advantages(name, inputs, **knobs)
-        expected = LOOP_REFERENCES[name](r, g, lengths, tr, v, **knobs)
+        cfg = estimator(name, **knobs)  # the loop reference gets every knob, defaults included
+        out = compute_advantages(cfg, inputs)
+        expected = LOOP_REFERENCES[name](r, g, lengths, tr, v, **cfg.knobs())
         torch.testing.assert_close(out.token_advantages, _pad(expected, T, 0.0), atol=1e-9, rtol=1e-9,
                                    msg=lambda m, k=knobs: f"{name} {k}: {m}")
         if out.advantages is not None:
             torch.testing.assert_close(out.advantages, torch.tensor([row[0] for row in expected], dtype=torch.float64),
                                        atol=1e-9, rtol=1e-9)
         if name == "gae":  # returns R_t = A_t + V_t with the unwhitened A_t
-            raw = loop_gae(r, g, lengths, tr, v, **{**knobs, "whiten": False})
+            raw = loop_gae(r, g, lengths, tr, v, **{**cfg.knobs(), "whiten": False})
             ret = [[a + vv for a, vv in zip(ra, rv, strict=False)] for ra, rv in zip(raw, v, strict=True)]
             torch.testing.assert_close(out.returns, _pad(ret, T, 0.0), atol=1e-9, rtol=1e-9)
 
@@ -286,20 +313,76 @@ def test_loop_vs_vectorised(name, seed, n_groups):
 # ---------------------------------------------------------------------------------------------
 # Registry behaviour
 # ---------------------------------------------------------------------------------------------
-def test_registry_rejects_duplicates_unknown_names_and_knobs():
+class _Unregistered(Variant):
+    name: Literal["unregistered"] = "unregistered"
+    """Name."""
+    alpha: float = 1.0
+    """A knob."""
+
+
+def test_registry_rejects_duplicates_unknown_names_and_mismatched_knobs():
     with pytest.raises(ValueError, match="already registered"):
-        register("grpo")(lambda x: x)
+        register_estimator(GRPOEstimator)(lambda x, *, std, scale, eps: x)
+    with pytest.raises(TypeError, match=r"takes keywords \['beta'\] but _Unregistered has knobs \['alpha'\]"):
+        register_estimator(_Unregistered)(lambda x, *, beta: x)
+    assert "unregistered" not in ADVANTAGE_ESTIMATORS
     x = AdvantageInputs(R4, ONE_GROUP, torch.ones(4, 1), torch.zeros(4, 1))
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-        compute_advantages("ppo", x)
-    with pytest.raises(ValueError, match="not \\['gamma'\\]"):
-        compute_advantages("grpo", x, gamma=0.9)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'unregistered'"):
+        compute_advantages(_Unregistered(), x)
     with pytest.raises(ValueError, match="needs critic values"):
-        compute_advantages("gae", x)
+        compute_advantages(GAEEstimator(), x)
+
+
+def test_config_variants_own_their_knobs_and_accept_a_bare_name():
+    base = {"scores": "s", "output": "o", "reference": "r"}
+    assert parse_config(AdvantageConfig, {**base, "estimator": "rloo"}).estimator.name == "rloo"
+    gae_cfg = parse_config(AdvantageConfig, {**base, "estimator": {"name": "gae", "lam": 0.9}}).estimator
+    assert gae_cfg == GAEEstimator(lam=0.9) and gae_cfg.knobs() == {"gamma": 1.0, "lam": 0.9, "whiten": True, "eps": 1e-6}
+    assert AdvantageConfig(scores=Path("s"), output=Path("o")).estimator == GRPOEstimator()
+    with pytest.raises(ConfigError, match=r"unknown key 'estimator.lam'; allowed keys: eps, name, scale, std"):
+        parse_config(AdvantageConfig, {**base, "estimator": {"name": "grpo", "lam": 0.9}})
+    with pytest.raises(ConfigError, match="key 'estimator.lam': Input should be less than or equal to 1"):
+        parse_config(AdvantageConfig, {**base, "estimator": {"name": "gae", "lam": 1.5}})
 
 
 def test_float32_inputs_stay_float32_and_match_float64():
-    out32 = grpo(R4.float(), ONE_GROUP)
+    out32 = grpo(R4.float(), ONE_GROUP, std="sample", scale="group")
     assert out32.advantages.dtype == torch.float32
+    out64 = grpo(R4, ONE_GROUP, std="sample", scale="group")
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(out32.advantages.tolist(),
-                                                                 grpo(R4, ONE_GROUP).advantages.tolist(), strict=True))
+                                                                 out64.advantages.tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# User estimators by import path
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def user_estimators(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # user_estimators.py
+
+
+def test_custom_estimator_sequence_and_token_advantages(user_estimators):
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float64)
+    x = AdvantageInputs(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), torch.tensor([0, 0, 1]), mask,
+                        torch.zeros(3, 3, dtype=torch.float64))
+    out = compute_advantages(CustomEstimator(function="user_estimators:scaled_reward", kwargs={"scale": 2.0}), x)
+    torch.testing.assert_close(out.advantages, torch.tensor([2.0, -4.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(out.token_advantages, torch.tensor([[2.0, 2.0, 0], [-4.0, 0, 0], [1.0, 1.0, 1.0]],
+                                                                  dtype=torch.float64))
+    out = compute_advantages(CustomEstimator(function="user_estimators:token_index"), x)
+    assert out.advantages is None  # token-level: no sequence advantage
+    torch.testing.assert_close(out.token_advantages, torch.tensor([[1.0, 2.0, 0], [1.0, 0, 0], [1.0, 2.0, 3.0]],
+                                                                  dtype=torch.float64))  # padding zeroed
+
+
+@pytest.mark.parametrize("function,error", [
+    ("user_estimators:wrong_shape", r"'user_estimators:wrong_shape' returned shape \(2,\); expected a tensor of shape \(3,\)"),
+    ("user_estimators:not_a_tensor", r"'user_estimators:not_a_tensor' returned list"),
+    ("user_estimators:missing", r"estimator.function: cannot import 'user_estimators:missing': AttributeError"),
+    ("no_such_module:fn", r"estimator.function: cannot import 'no_such_module:fn': ModuleNotFoundError"),
+    ("user_estimators:NOT_CALLABLE", r"'user_estimators:NOT_CALLABLE' is a int, not a function"),
+])
+def test_custom_estimator_errors_name_the_import_path(user_estimators, function, error):
+    x = AdvantageInputs(R4[:3], ONE_GROUP[:3], torch.ones(3, 1, dtype=torch.float64), torch.zeros(3, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=error):
+        compute_advantages(CustomEstimator(function=function), x)

@@ -1,4 +1,4 @@
-"""KL estimators, KL-in-reward token rewards and the KL coefficient controller (ALGORITHMS.md s. 4)."""
+"""KL estimators, KL-in-reward token rewards and the KL coefficient controller."""
 
 from __future__ import annotations
 

@@ -78,9 +78,9 @@ def test_zero_head_critic_copies_the_backbone_and_gives_zero_values(tmp_path, ro
     assert read_manifest(tmp_path / "critic0").kind == "checkpoint"
     critic, _ = load_model(tmp_path / "critic0", "critic", cache=False)
     policy, _ = load_model(tiny_policy_dir, "causal")
-    assert type(critic).__name__ == "LlamaForTokenClassification" and critic.config.num_labels == 1
+    assert type(critic).__name__ == "ScalarHeadModel" and critic.kind == "critic"
     backbone = policy.model.state_dict()
-    for name, tensor in critic.model.state_dict().items():
+    for name, tensor in critic.backbone.state_dict().items():
         assert torch.equal(tensor, backbone[name]), name
     # CLI, critic only: every value is exactly 0 and ref_logprobs are null.
     assert stage_main("reference", [f"rollouts={rollouts_dir}", f"output={tmp_path / 'ref'}", f"critic={tmp_path / 'critic0'}",

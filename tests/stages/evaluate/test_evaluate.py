@@ -38,7 +38,7 @@ def heldout(tmp_path_factory, reference):
     path = tmp_path_factory.mktemp("eval") / "heldout"
     write_table_artifact(path, PROMPTS, {
         "prompt_id": [f"p{i}" for i in range(20)], "prompt": PROMPTS_TEXT, "answer": answers,
-        "metadata": [None] * 20}, stage="test")
+        "metadata": [None] * 20, "messages": [None] * 20}, stage="test")
     return path
 
 
@@ -60,7 +60,7 @@ def test_accuracy_matches_the_reference_decoder(tiny_policy_dir, heldout, refere
     rollouts = read_table_artifact(cfg.output / "rollouts", "rollouts").to_pylist()
     assert [r["response"] for r in rollouts] == [g.response for g in reference]
     assert {r["iteration"] for r in rollouts} == {3} and {r["sampling"]["temperature"] for r in rollouts} == {0.0}
-    assert set(manifest.inputs) == {"prompts", "policy"}
+    assert set(manifest.inputs) == {"prompts", "checkpoint"}
     # Rerun: cache hit, same manifest.
     assert run(cfg).created_at == manifest.created_at
 

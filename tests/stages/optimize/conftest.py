@@ -35,7 +35,7 @@ def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int =
                              response_logprobs=(-rng.random(n) * 5).tolist(),
                              finish_reason="length" if n == 7 else "stop",
                              sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=7),
-                             engine="transformers", seed=seed).items():
+                             engine="transformers", seed=seed, metadata=None).items():
                 ro[k].append(v)
             for k, v in dict(run="t", iteration=iteration, prompt_id=f"p{g}", group_id=g, sample_index=s,
                              reward=a, advantage=a, token_advantages=[a] * n,

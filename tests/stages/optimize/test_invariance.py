@@ -30,6 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ranks_and_micro_batches_give_the_same_update(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
     # two optimizer steps of 8 rows each (minibatch 8 of 16 rows), grad clipping active

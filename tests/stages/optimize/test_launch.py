@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlpipe.cluster.launch import deepspeed_template, stage_command
-from rlpipe.stages.optimize.engine import ds_config
+from rlpipe.stages.common.deepspeed import ds_config
 
 
 def test_torchrun_and_deepspeed_command_lines():

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from rlpipe.schemas.config import ConfigError, load_config, union_tags
+from rlpipe.stages.optimize.config import (
+    CustomLoss,
+    GSPOLoss,
+    LossConfig,
+    OptimizeConfig,
+    PPOClipLoss,
+)
 from rlpipe.stages.optimize.core import PolicyObjective, policy_micro_loss, step_slices
 from rlpipe.stages.optimize.losses import (
     POLICY_LOSSES,
@@ -14,10 +23,13 @@ from rlpipe.stages.optimize.losses import (
     clipped_value_loss,
     explained_variance,
     gspo,
+    policy_loss,
     ppo_clip,
     register_policy_loss,
     value_moments,
 )
+
+PPO = PPOClipLoss().knobs()  # eps_low 0.2, eps_high 0.2, no dual clip
 
 
 def close(x: torch.Tensor, expected) -> None:
@@ -27,16 +39,19 @@ def close(x: torch.Tensor, expected) -> None:
 def _one(rho: float, adv: float, **knobs):
     logp = torch.tensor([[math.log(rho)]], dtype=torch.float64)
     old = torch.zeros_like(logp)
-    return ppo_clip(logp, old, torch.tensor([[adv]], dtype=torch.float64), torch.ones_like(logp), **knobs)
+    return ppo_clip(logp, old, torch.tensor([[adv]], dtype=torch.float64), torch.ones_like(logp), **{**PPO, **knobs})
 
 
 def test_ppo_clip_golden_example():
-    # ALGORITHMS.md: rho = 1.35, eps = 0.2, A = 0.2 -> unclipped 0.27, clipped 0.24, min 0.24, loss -0.24
+    # rho = 1.35, eps = 0.2, A = 0.2 -> unclipped 0.27, clipped 1.2 * 0.2 = 0.24, min 0.24, loss -0.24
     out = _one(1.35, 0.2, eps_low=0.2, eps_high=0.2)
-    assert 1.35 * 0.2 == pytest.approx(0.27)
     assert out.loss_mat.item() == pytest.approx(-0.24, abs=1e-12)
     assert out.clipped.item() == 1.0
     assert out.ratio.item() == pytest.approx(1.35)
+    # the same token with a clip range wide enough (1 + 0.4 > 1.35): the unclipped -0.27, not clipped
+    out = _one(1.35, 0.2, eps_low=0.2, eps_high=0.4)
+    assert out.loss_mat.item() == pytest.approx(-0.27, abs=1e-12)
+    assert out.clipped.item() == 0.0
 
 
 def test_ppo_clip_unclipped_inside_trust_region_and_negative_advantage():
@@ -80,26 +95,33 @@ def test_ratio_is_exactly_one_and_nothing_clipped_when_logp_equals_old():
     logp = torch.randn(3, 5, generator=g) - 3
     adv = torch.randn(3, 5, generator=g)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
-    for fn in (ppo_clip, gspo):
-        out = fn(logp, logp.clone(), adv, mask)
+    for loss in (PPOClipLoss(), GSPOLoss()):
+        out = policy_loss(loss, logp, logp.clone(), adv, mask)
         assert torch.equal(out.ratio, mask)
         assert out.clipped.sum().item() == 0.0
         assert torch.equal(out.loss_mat, -adv * mask)
 
 
-def test_gspo_uses_the_sequence_ratio_for_every_token():
-    logp = torch.tensor([[0.1, 0.3, 9.0], [0.2, 0.0, 0.0]], dtype=torch.float64)
-    old = torch.zeros_like(logp)
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float64)
-    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
-    out = gspo(logp, old, adv, mask, eps_low=0.5, eps_high=0.5)
-    s0, s1 = math.exp(0.2), math.exp(0.2)  # mean over the 2 (resp. 1) valid tokens
-    close(out.ratio, [[s0, s0, 0.0], [s1, 0.0, 0.0]])
-    close(out.loss_mat, [[-s0, -s0, 0.0], [s1, 0.0, 0.0]])
-    # small eps (paper defaults 3e-4 / 4e-4): s0 = 1.22 > 1 + 4e-4, A > 0 -> clipped
-    out = gspo(logp, old, adv, mask)
-    assert out.loss_mat[0, 0].item() == pytest.approx(-(1 + 4e-4))
-    assert out.clipped.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+def test_gspo_uses_the_per_sequence_mean_log_ratio_for_every_token():
+    # Two responses of 3 and 1 tokens (padding holds garbage that must not count), log-ratios
+    # logp - old: [0.1, 0.3, 0.5] and [-0.2]. GSPO: s_i = exp(mean over response i's tokens):
+    #   s_0 = exp(0.9 / 3) = exp(0.3) = 1.3498588, s_1 = exp(-0.2 / 1) = 0.8187308.
+    # A batch-wide mean would give exp(0.7 / 4) = exp(0.175) to both; a per-sequence sum exp(0.9),
+    # exp(-0.2); the token ratios exp(0.1), exp(0.3), exp(0.5): none of them matches.
+    logp = torch.tensor([[-1.0, -2.0, -0.5, 7.0], [-0.7, 5.0, 5.0, 5.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.1, -2.3, -1.0, -4.0], [-0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 4, [-1.0] * 4], dtype=torch.float64)
+    s0, s1 = 1.3498588075760032, 0.8187307530779818  # exp(0.3), exp(-0.2)
+    out = gspo(logp, old, adv, mask, eps_low=0.5, eps_high=0.5)  # [0.5, 1.5] holds both: unclipped
+    close(out.ratio, [[s0, s0, s0, 0.0], [s1, 0.0, 0.0, 0.0]])
+    close(out.loss_mat, [[-s0, -s0, -s0, 0.0], [s1, 0.0, 0.0, 0.0]])  # l = -s_i A
+    assert out.clipped.sum().item() == 0.0
+    # GSPO's own clip range (3e-4 / 4e-4): s_0 > 1 + 4e-4 with A > 0 -> -(1 + 4e-4);
+    # s_1 < 1 - 3e-4 with A < 0 -> max(-s_1 A, -(1 - 3e-4) A) = 1 - 3e-4; every token clipped.
+    out = policy_loss(GSPOLoss(), logp, old, adv, mask)
+    close(out.loss_mat, [[-(1 + 4e-4)] * 3 + [0.0], [1 - 3e-4, 0.0, 0.0, 0.0]])
+    assert out.clipped.tolist() == mask.tolist()
 
 
 def test_gspo_gradient_is_the_mean_token_gradient():
@@ -112,9 +134,59 @@ def test_gspo_gradient_is_the_mean_token_gradient():
 
 
 def test_registry_rejects_a_second_registration():
-    assert set(POLICY_LOSSES) >= {"ppo_clip", "gspo"}
     with pytest.raises(ValueError, match="already registered"):
-        register_policy_loss("ppo_clip")(ppo_clip)
+        register_policy_loss(PPOClipLoss)(ppo_clip)
+
+
+def test_config_union_and_registry_name_the_same_losses():
+    # One list of names: each tag of the config union is registered with that very variant class.
+    tags = union_tags(LossConfig)
+    assert set(tags) == set(POLICY_LOSSES) == {"ppo_clip", "gspo", "custom"}
+    assert all(POLICY_LOSSES[name][0] is cls for name, cls in tags.items())
+
+
+def test_each_loss_has_its_own_clip_defaults_and_errors_name_the_key():
+    base = ["policy=p", "rollouts=r", "advantages=a", "output=o", "metrics_output=m"]
+    assert load_config(OptimizeConfig, None, base).loss == PPOClipLoss(eps_low=0.2, eps_high=0.2, dual_clip=None)
+    # `loss=gspo` takes GSPO's clip range (Zheng et al. 2025: 3e-4 / 4e-4), not PPO's 0.2
+    assert load_config(OptimizeConfig, None, [*base, "loss=gspo"]).loss == GSPOLoss(eps_low=3e-4, eps_high=4e-4)
+    cfg = load_config(OptimizeConfig, None, [*base, "loss.name=ppo_clip", "loss.eps_high=0.28"])
+    assert cfg.loss.knobs() == {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": None}
+    with pytest.raises(ConfigError, match="unknown key 'loss.dual_clip'; allowed keys: eps_high, eps_low, name"):
+        load_config(OptimizeConfig, None, [*base, "loss=gspo", "loss.dual_clip=3"])
+    with pytest.raises(ConfigError, match="key 'loss.dual_clip': Input should be greater than 1"):
+        load_config(OptimizeConfig, None, [*base, "loss.dual_clip=0.5"])
+
+
+@pytest.fixture
+def user_losses(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # user_losses.py
+
+
+def test_custom_loss_by_import_path(user_losses):
+    logp = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, 9.0, 9.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float64)
+    loss = CustomLoss(function="user_losses:reinforce", kwargs={"scale": 0.5})
+    out = policy_loss(loss, logp, old, adv, mask)
+    # l_t = -0.5 A_t logp_t on real tokens: [0.5, 1.0] and [-0.5]; the logged ratio is rho_t
+    close(out.loss_mat, [[0.5, 1.0, 0.0], [-0.5, 0.0, 0.0]])
+    close(out.ratio, [[math.exp(0.5), 1.0, 0.0], [1.0, 0.0, 0.0]])
+    agg_loss(out.loss_mat, mask, "token-mean").backward()  # d/dlogp_t of -0.5 A_t logp_t / 3 tokens
+    close(logp.grad, [[-0.5 / 3, -0.5 / 3, 0.0], [1.0 / 3, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("function,error", [
+    ("user_losses:per_sequence", r"loss.function 'user_losses:per_sequence' returned shape \(2,\); expected the per-token loss, a tensor of shape \(2, 3\)"),
+    ("user_losses:not_a_tensor", r"'user_losses:not_a_tensor' returned float"),
+    ("user_losses:detached", r"'user_losses:detached' returned a loss with no gradient w.r.t. logp"),
+    ("user_losses:nope", r"loss.function: cannot import 'user_losses:nope': AttributeError"),
+])
+def test_custom_loss_errors_name_the_import_path(user_losses, function, error):
+    logp = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=error):
+        policy_loss(CustomLoss(function=function), logp, torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3))
 
 
 L = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [5.0, 6.0, 100.0, 100.0]])

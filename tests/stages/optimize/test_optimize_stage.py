@@ -11,6 +11,7 @@ from rlpipe.stages.advantage.kl import kl
 from rlpipe.stages.common.forward import teacher_forced_logprobs
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.common.tiny import load_checkpoint
+from rlpipe.stages.optimize.config import GSPOLoss
 from rlpipe.stages.optimize.core import epoch_order
 from rlpipe.stages.optimize.run import run
 
@@ -88,9 +89,10 @@ def test_rerun_is_a_cache_hit_and_the_result_is_deterministic(tmp_path, artifact
 
 def test_gspo_with_kl_in_loss_and_entropy_bonus(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):
     arts = build(tmp_path, tiny_tokenizer, with_ref=True)
-    cfg = make_config(tmp_path, arts, tiny_policy_dir, loss="gspo", eps_low=3e-4, eps_high=4e-4,
+    cfg = make_config(tmp_path, arts, tiny_policy_dir, loss="gspo",
                           kl_beta=0.1, kl_estimator="k3", entropy_coef=0.01, minibatch_size=8, micro_batch_size=2,
                           agg_mode="seq-mean-token-mean")
+    assert cfg.loss == GSPOLoss(eps_low=3e-4, eps_high=4e-4)  # GSPO's own clip range, not PPO's 0.2
     run(cfg)
     m = read_metrics(cfg.metrics_output)
     assert m[1]["ratio_min"] == 1.0 and m[1]["clip_fraction"] == 0.0
@@ -122,8 +124,11 @@ def test_ppo_critic_value_loss_decreases(tmp_path, tiny_tokenizer, tiny_policy_d
     assert losses[-1] < 0.5 * losses[0], losses
     assert m[8]["explained_variance"] > m[1]["explained_variance"]
     assert validate_artifact(cfg.critic_output) == []
-    critic, _ = load_model(cfg.critic_output, "critic")
-    assert critic.config.num_labels == 1
+    trained, _ = load_model(cfg.critic_output, "critic")  # the copy the stage kept in memory
+    critic, _ = load_model(cfg.critic_output, "critic", cache=False)  # what the files hold
+    assert type(critic).__name__ == "ScalarHeadModel" and critic.kind == "critic"
+    assert trained.state_dict().keys() == critic.state_dict().keys()
+    assert all(torch.equal(v, critic.state_dict()[k]) for k, v in trained.state_dict().items())
 
 
 def test_bad_inputs_are_named(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics):
@@ -157,10 +162,49 @@ def test_cli_runs_from_yaml_and_accepts_the_deepspeed_launchers_local_rank(tmp_p
 
 @pytest.mark.gpu
 def test_bf16_on_cuda(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
-    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, minibatch_size=8, micro_batch_size=4, dtype="auto")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from safetensors.torch import load_file
+
+    from rlpipe.stages.optimize import engine as E
+
+    # the whole batch (16 rows) in step 1, so its loss is known from the data alone; 2 epochs
+    common = dict(minibatch_size=16, micro_batch_size=4, epochs=2, lr=1e-3)
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, "bf16", dtype="auto", **common)
+    ref = make_config(tmp_path, artifacts, tiny_policy_dir, "fp32", dtype="fp32", **common)
     run(cfg)
-    m = read_metrics(cfg.metrics_output)
-    assert m[1]["ratio_min"] == 1.0 and m[1]["ratio_max"] == 1.0
+    run(ref)
+    m, m32 = read_metrics(cfg.metrics_output), read_metrics(ref.metrics_output)
+    assert m[0]["steps"] == 2.0
+    assert m[1]["ratio_min"] == 1.0 and m[1]["ratio_max"] == 1.0  # old log-probs recomputed in bf16 too
+    # step 1 at ratio 1: policy_loss = -token-mean(A), whatever the precision (A = +-1 per row)
+    adv = read_table_artifact(artifacts["advantages"], "advantages").column("token_advantages").to_pylist()
+    assert m[1]["policy_loss"] == pytest.approx(-sum(map(sum, adv)) / sum(map(len, adv)), abs=1e-6)
+    for step in (1, 2):
+        for name in ("loss", "grad_norm", "approx_kl", "entropy"):
+            assert np.isfinite(m[step][name]), (step, name)
+        assert m[step]["grad_norm"] > 0
+    # bf16 keeps 8 mantissa bits (u = 2^-9 ~ 2e-3 per rounding); the gradient norm of this 2-layer
+    # model passes through a few dozen roundings of weights and activations: within 5% of fp32.
+    assert m[1]["grad_norm"] == pytest.approx(m32[1]["grad_norm"], rel=5e-2)
+    assert m[2]["approx_kl"] > 0  # step 2 is off-policy: the policy moved
+    start = load_file(tiny_policy_dir / "model.safetensors")
+    trained = load_file(cfg.output / "model.safetensors")
+    for name, w in start.items():
+        assert "norm" in name or not torch.equal(trained[name].float(), w.float()), f"{name} did not move"
+
+    # DeepSpeed's bf16 engine: the module computes in bf16, the optimizer updates fp32 master weights
+    # (an lr 1e-6 update would vanish below bf16's ulp otherwise).
+    policy, _ = load_model(tiny_policy_dir, cache=False)
+    engine = E.make_engine(policy, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), gradient_checkpointing=False,
+                           config=E.ds_config(0, micro_batch_size=4, grad_accum=1, world_size=1, grad_clip=1.0,
+                                              bf16=True))
+    try:
+        assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+        master = [p for g in engine.optimizer.optimizer.param_groups for p in g["params"]]
+        assert master and {p.dtype for p in master} == {torch.float32}
+    finally:
+        engine.destroy()
 
 
 def test_early_stop_on_approx_kl_target(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):

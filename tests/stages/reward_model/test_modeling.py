@@ -26,8 +26,8 @@ def test_padded_batch_matches_single_sequence_forward(tiny_reward_dir):
     input_ids, mask = right_pad(seqs, tok.pad_token_id)
     with torch.no_grad():
         batched = sequence_rewards(model, input_ids, mask)
-        # reference: HF's own forward on each sequence alone (no padding at all)
-        single = torch.stack([model(input_ids=torch.tensor([s])).logits[0, 0] for s in seqs])
+        # reference: the head at the last token of each sequence run alone (no padding at all)
+        single = torch.stack([model(input_ids=torch.tensor([s])).logits[0, -1, 0] for s in seqs])
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
     assert float(single.std()) > 0  # distinct sequences, distinct rewards
 
@@ -51,11 +51,37 @@ def test_check_reward_checkpoint(tiny_reward_dir, tiny_policy_dir, tmp_path):
         check_reward_checkpoint(tmp_path / "nope")
     with pytest.raises(RewardCheckpointError, match="LlamaForCausalLM.*not a sequence-classification"):
         check_reward_checkpoint(tiny_policy_dir)
+    # a legacy sequence-classification checkpoint must have exactly one label
     two = tmp_path / "two"
     two.mkdir()
-    cfg = json.loads((tiny_reward_dir / "config.json").read_text())
+    cfg = json.loads((tiny_policy_dir / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForSequenceClassification"]
     cfg["id2label"] = {"0": "a", "1": "b"}
-    cfg.pop("num_labels", None)
     (two / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RewardCheckpointError, match="2-label head"):
         check_reward_checkpoint(two)
+
+
+def test_legacy_sequence_classification_reward_model_loads_unchanged(tiny_tokenizer, tmp_path):
+    """A LlamaForSequenceClassification reward model (what the stage wrote before the scalar-head
+    format, and what reward models on the Hub are) loads into the same wrapper, same rewards."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rlpipe.stages.common.scalar_head import ScalarHeadModel
+    from rlpipe.stages.common.tiny import save_pretrained
+
+    torch.manual_seed(0)
+    legacy = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tiny_tokenizer.pad_token_id)).eval()
+    path = save_pretrained(legacy, tiny_tokenizer, tmp_path / "legacy")
+    check_reward_checkpoint(path)
+    model, tok = load_model(path, "reward", cache=False)
+    assert isinstance(model, ScalarHeadModel) and model.kind == "reward"
+    input_ids, mask = right_pad(encode(tok, PROMPTS, RESPONSES, max_length=64), tok.pad_token_id)
+    with torch.no_grad():
+        ours = sequence_rewards(model, input_ids, mask)
+        # HF pools at the rightmost non-pad id: equal here, the pad id never occurs in a sequence
+        theirs = legacy(input_ids=input_ids, attention_mask=mask).logits[:, 0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert float(ours.std()) > 0

@@ -23,7 +23,7 @@ def prompt_rows(n: int) -> dict[str, list]:
     texts = [f"Q: {i % 20}+{(7 * i) % 20}=" + " A:" * (i % 4) + f" {i}" * (2 * (i % 3)) for i in range(n)]
     return {"prompt_id": [f"p{i:03d}" for i in range(n)], "prompt": texts,
             "answer": [str(i % 20 + (7 * i) % 20) if i % 2 == 0 else None for i in range(n)],
-            "metadata": [None] * n}
+            "metadata": [None] * n, "messages": [None] * n}
 
 
 def write_prompts(path: Path, n: int) -> Path:

@@ -108,23 +108,25 @@ def test_two_worker_processes_equal_one(tiny_policy_dir, prompts_dir, tmp_path):
 
 
 def test_errors_are_clear(tiny_policy_dir, prompts_dir, tmp_path):
-    from rlpipe.schemas import PROMPTS, write_table_artifact
+    from rlpipe.schemas import PROMPTS, UserError, write_table_artifact
 
     empty = tmp_path / "empty"
-    write_table_artifact(empty, PROMPTS, {"prompt_id": [], "prompt": [], "answer": [], "metadata": []}, stage="test")
+    write_table_artifact(empty, PROMPTS, {"prompt_id": [], "prompt": [], "answer": [], "metadata": [],
+                                          "messages": []}, stage="test")
     with pytest.raises(ValueError, match="has no rows"):
         run(config(tiny_policy_dir, empty, tmp_path / "o1"))
 
     long = tmp_path / "long"
     write_table_artifact(long, PROMPTS, {"prompt_id": ["short", "huge"], "prompt": ["Q: 1+1=", "1 " * 300],
-                                         "answer": [None, None], "metadata": [None, None]}, stage="test")
+                                         "answer": [None, None], "metadata": [None, None],
+                                         "messages": [None, None]}, stage="test")
     before = run(config(tiny_policy_dir, prompts_dir, tmp_path / "o2", max_new_tokens=2))
     with pytest.raises(ValueError, match=r"prompt 'huge' .* too long: \d+ tokens .* context of 256"):
         run(config(tiny_policy_dir, long, tmp_path / "o2"))
     # bad inputs are found before the old artifact in the output directory is touched
     assert read_manifest(tmp_path / "o2").content_hash == before.content_hash
 
-    with pytest.raises(FileNotFoundError, match="policy checkpoint .*nope does not exist"):
+    with pytest.raises(UserError, match="checkpoint: .*nope does not exist"):
         run(config(tmp_path / "nope", prompts_dir, tmp_path / "o3"))
 
     with pytest.raises(ConfigError, match="engine"):

@@ -46,7 +46,8 @@ def vllm_prompts(tmp_path_factory):
     texts = [" ".join(f"Q: {(i + k) % 20}+{(3 * k) % 20}= A:" for k in range(5 + i % 4)) for i in range(12)]
     out = tmp_path_factory.mktemp("vllm_prompts") / "prompts"
     write_table_artifact(out, PROMPTS, {"prompt_id": [f"q{i:02d}" for i in range(12)], "prompt": texts,
-                                        "answer": [None] * 12, "metadata": [None] * 12}, stage="test")
+                                        "answer": [None] * 12, "metadata": [None] * 12,
+                                        "messages": [None] * 12}, stage="test")
     return out
 
 

@@ -9,7 +9,7 @@ from rlpipe.schemas import ROLLOUTS, write_table_artifact
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 8}
 
 
-def rollouts_table(prompts, responses, answers, lengths=None, group_size=2, finish_reasons=None):
+def rollouts_table(prompts, responses, answers, lengths=None, group_size=2, finish_reasons=None, metadata=None):
     """A rollouts table: row i is sample i % group_size of group i // group_size."""
     n = len(responses)
     lengths = lengths or [len(r.split()) + 1 for r in responses]
@@ -30,6 +30,7 @@ def rollouts_table(prompts, responses, answers, lengths=None, group_size=2, fini
         "sampling": [SAMPLING] * n,
         "engine": ["transformers"] * n,
         "seed": [0] * n,
+        "metadata": list(metadata) if metadata is not None else [None] * n,
     }
 
 

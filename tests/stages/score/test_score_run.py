@@ -10,16 +10,15 @@ import pytest
 import yaml
 
 from rlpipe.schemas import exists, read_manifest, read_table_artifact, validate_artifact
-from rlpipe.schemas.config import ConfigError, parse_config
+from rlpipe.schemas.config import ConfigError, parse_config, union_tags
 from rlpipe.schemas.staging import staging_path
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.reward_model.modeling import score_texts
 from rlpipe.stages.score import run as score_run
 from rlpipe.stages.score import scorers
-from rlpipe.stages.score.config import ScoreConfig
+from rlpipe.stages.score.config import Component, ScoreConfig
 from rlpipe.stages.score.run import run
 from rlpipe.stages.score.scorers import ScoreError, register
-from rlpipe.stages.score.verifiers import overlong_penalty
 
 HERE = Path(__file__).parent
 
@@ -56,7 +55,9 @@ def test_scores_every_component(arith_rollouts, tiny_reward_dir, tmp_path):
     assert s["response_length"] == lengths
     assert s["reward__correct"] == [0.0 if i % 3 == 0 else 1.0 for i in range(24)]
     assert s["reward__format"] == [1.0] * 24
-    np.testing.assert_allclose(s["reward__overlong"], overlong_penalty(np.array(lengths), 8, 4))
+    # DAPO overlong, L_max 8, L_buf 4, written out: 0 up to 4 tokens, (4 - L) / 4 up to 8, then -1
+    by_length = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: -0.25, 6: -0.5, 7: -0.75, 8: -1.0, 9: -1.0}
+    assert s["reward__overlong"] == [by_length[n] for n in lengths]
     assert sorted(set(s["reward__overlong"])) == [-1.0, -0.75, -0.5, -0.25, 0.0]  # L = 1..9: all regions
     np.testing.assert_allclose(s["reward__chars"], [0.1 * len(x) for x in r["response"]], rtol=1e-6)
     model, tok = load_model(tiny_reward_dir, "reward")
@@ -184,8 +185,8 @@ def test_config_errors():
         ([{"name": "a", "type": "regex_format", "pattern": "("}], "not a valid regex"),
         ([{"name": "a", "type": "answer_match", "pattern": r"\d+"}], "exactly one capture group"),
         ([{"name": "a", "type": "overlong", "max_length": 4, "buffer": 8}], "must not exceed max_length"),
-        ([{"name": "a b", "type": "overlong", "max_length": 4, "buffer": 2}], "components.0.overlong.name"),
-        ([{"name": "a", "type": "python", "function": "no_colon"}], "components.0.python.function"),
+        ([{"name": "a b", "type": "overlong", "max_length": 4, "buffer": 2}], "key 'components.0.name'"),
+        ([{"name": "a", "type": "python", "function": "no_colon"}], "key 'components.0.function'"),
         ([{"name": "a", "type": "nope"}], "does not match any of the expected tags"),
     ]
     for comps, msg in bad:
@@ -200,3 +201,8 @@ def test_registry_rejects_a_second_registration():
     with pytest.raises(ValueError, match="'overlong' is already registered"):
         register("overlong")(lambda c: None)
     assert set(scorers.SCORERS) == {"reward_model", "answer_match", "regex_format", "overlong", "python"}
+
+
+def test_config_union_and_registry_name_the_same_components():
+    # One list of names: every `type` tag of the component union has a scorer, and no scorer lacks a config.
+    assert set(union_tags(Component, "type")) == set(scorers.SCORERS)

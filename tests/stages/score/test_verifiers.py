@@ -1,4 +1,4 @@
-"""Golden tests of the rule-based components (ALGORITHMS.md section 3)."""
+"""Golden tests of the rule-based components."""
 
 import numpy as np
 import pytest

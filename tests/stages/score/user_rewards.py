@@ -21,3 +21,13 @@ def returns_too_few(prompts, responses, answers):
 
 def nan_for_prompt(prompts, responses, answers, prompt):
     return [math.nan if p == prompt else 1.0 for p in prompts]
+
+
+def metadata_points(prompts, responses, answers, metadata):
+    """A verifier that needs more than the answer: each prompt's own points from its metadata,
+    checked against the prompt text it was stored with (-100: the row got another prompt's)."""
+    return [m["points"] if m.get("prompt") == p else -100.0 if m else 0.0 for p, m in zip(prompts, metadata, strict=True)]
+
+
+def metadata_through_kwargs(prompts, responses, answers, **kwargs):
+    return [len(m) for m in kwargs["metadata"]]

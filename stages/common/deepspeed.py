@@ -1,0 +1,138 @@
+"""DeepSpeed for the training stages (sft, reward_model, optimize): config, engine, saving.
+
+- `ds_config`: the shipped template cluster/deepspeed/zero<stage>.json with its "auto" fields
+  filled from the stage's knobs; the one place a DeepSpeed config is made.
+- `make_engine`: deepspeed.initialize around a model and a torch optimizer (no FusedAdam build on
+  CPU), announcing the one-time C++ build of DeepSpeed's CPU communication op.
+- `full_parameters` / `save_pretrained`: the trained weights whole (ZeRO-3 partitions gathered;
+  a collective: every rank must call) and written as a Hugging Face checkpoint by rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def import_deepspeed():
+    """The deepspeed module, imported after choosing its accelerator (CPU when there is no CUDA)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+def use_bf16(dtype: str) -> bool:
+    """Train in bf16? `dtype` is 'bf16', 'fp32' or 'auto' (bf16 exactly when CUDA is present)."""
+    return dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
+
+
+def ds_config(zero_stage: int, *, micro_batch_size: int, grad_accum: int, world_size: int,
+              grad_clip: float, bf16: bool = False) -> dict[str, Any]:
+    """The zero<stage>.json template with every "auto" field filled.
+
+    train_batch_size = micro_batch_size x grad_accum x world_size (DeepSpeed checks this identity).
+    """
+    from rlpipe.cluster.launch import deepspeed_template
+
+    cfg = deepspeed_template(zero_stage)
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    cfg["gradient_accumulation_steps"] = grad_accum
+    cfg["train_batch_size"] = micro_batch_size * grad_accum * world_size
+    cfg["gradient_clipping"] = grad_clip
+    cfg["bf16"] = {**cfg["bf16"], "enabled": bf16}
+    unfilled = [k for k, v in cfg.items() if v == "auto" or (isinstance(v, dict) and "auto" in v.values())]
+    if unfilled:
+        raise ValueError(f"DeepSpeed template zero{zero_stage}.json has fields nobody fills: {unfilled}")
+    return cfg
+
+
+def make_engine(model: torch.nn.Module, config: dict[str, Any], *,
+                optimizer: Callable[[Any], torch.optim.Optimizer],
+                lr_lambda: Callable[[int], float] | None = None) -> Any:
+    """A DeepSpeed engine around `model`.
+
+    Args:
+        optimizer: builds the torch optimizer from the parameters to train (those with
+            requires_grad); DeepSpeed calls it after wrapping them (ZeRO-3 partitions first).
+        lr_lambda: a LambdaLR factor per optimizer step, which the engine steps; None: constant.
+    """
+    deepspeed = import_deepspeed()
+    params = [p for p in model.parameters() if p.requires_grad]
+    scheduler = None
+    if lr_lambda is not None:
+        def scheduler(opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    _announce_op_build()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
+                                      lr_scheduler=scheduler, config=config)
+    return engine
+
+
+def _announce_op_build() -> None:
+    """Say so before DeepSpeed compiles its CPU communication op (first use on a machine: ~1 min
+    of silence otherwise). It is built when DeepSpeed's comm backend is first created."""
+    try:
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder.builder import OpBuilder
+        from torch.utils.cpp_extension import _get_build_directory
+
+        if ds_comm.cdb is not None or get_accelerator()._name != "cpu":
+            return
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or builder.name in OpBuilder._loaded_ops or installed_ops.get(builder.name, False):
+            return
+        built = Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so"
+    except (ImportError, AttributeError):  # another DeepSpeed layout: say nothing rather than fail
+        return
+    if not built.exists():
+        print(f"building DeepSpeed's CPU communication op {builder.name} (first use on this machine, "
+              f"~1 min; cached in {built.parent})...", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def full_parameters(engine: Any) -> Iterator[torch.nn.Module]:
+    """The engine's module with every parameter whole (ZeRO-3 gathers them; collective)."""
+    if engine.zero_optimization_stage() == 3:
+        deepspeed = import_deepspeed()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,
+                    part: Callable[[Any], Any] | None = None) -> Any:
+    """Save the full model + tokenizer (rank 0) as a Hugging Face checkpoint; collective under ZeRO-3.
+
+    Args:
+        part: picks the Hugging Face model inside the engine's module (e.g. the model a
+            head-adding wrapper holds); default: the engine's module itself.
+
+    Returns, on rank 0, a plain copy of the saved model in eval mode (no DeepSpeed hooks), equal
+    to what loading `out_dir` gives; None on other ranks.
+    """
+    from rlpipe.stages.common.tiny import save_pretrained as save
+
+    copy = None
+    with full_parameters(engine) as whole:
+        if rank == 0:
+            module = whole if part is None else part(whole)
+            save(module, tokenizer, out_dir)
+            copy = type(module)(module.config)
+            copy.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
+            if module.can_generate():
+                copy.generation_config = module.generation_config
+            copy.eval()
+    return copy

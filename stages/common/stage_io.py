@@ -1,0 +1,79 @@
+"""How every stage's run opens: its inputs by content, its cache key, and the cache hit.
+
+Read from the `Input` / `Output` markers of the stage's config, so no stage lists its inputs
+again:
+
+    start = begin("advantage", config, force=force)
+    if start.cached is not None:
+        return start.cached
+    ... compute, then write with `inputs=start.inputs, cache_key=start.key`
+
+Inputs are checked before any work: a table input must be a complete artifact of the schema its
+marker names, a checkpoint input a Hugging Face directory (a `UserError` naming the field and path
+otherwise). The cache key hashes the stage name, the config without its paths (`cache_dict`) and
+the inputs' content hashes, so a moved or copied run directory reruns as cache hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlpipe.schemas import InputRef, Manifest, cache_key, cached_manifest, read_manifest
+from rlpipe.schemas.atomic import content_sha256
+from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.errors import UserError
+from rlpipe.schemas.inputs import input_problem
+
+
+@dataclass(frozen=True)
+class StageStart:
+    """What a stage knows before it works."""
+
+    inputs: dict[str, InputRef]
+    """Each input artifact by field name, with its content hash (recorded in the manifests)."""
+    key: str
+    """The cache key of this work."""
+    cached: Manifest | None
+    """The primary output's manifest when every output already holds this work (else None)."""
+
+
+def input_refs(config: StageConfig) -> dict[str, InputRef]:
+    """Every input the config names, checked and identified by content."""
+    from rlpipe.stages.common.models import checkpoint_key
+
+    refs: dict[str, InputRef] = {}
+    kinds = config.input_fields()
+    for name, path in config.inputs().items():
+        problem = input_problem(path, kinds[name].kind)
+        if problem:
+            raise UserError(f"{name}: {problem}")
+        if kinds[name].kind == "checkpoint":
+            refs[name] = InputRef(path=str(path), content_hash=checkpoint_key(path))
+        elif kinds[name].kind == "file":
+            refs[name] = InputRef(path=str(path), content_hash=content_sha256(path))
+        else:
+            refs[name] = read_manifest(path).as_input(path)
+    return refs
+
+
+def begin(stage: str, config: StageConfig, *, force: bool = False,
+          extra_inputs: Mapping[str, InputRef] | None = None,
+          key_config: Mapping[str, Any] | None = None) -> StageStart:
+    """The inputs, key and cache hit of `stage` run with `config`.
+
+    Args:
+        extra_inputs: inputs that are not config fields of their own (a reward-model component's
+            checkpoint inside the score config).
+        key_config: what decides the work when it is not `config.cache_dict()` (e.g. without the
+            fields that only split the work between workers).
+    """
+    inputs = {**input_refs(config), **(extra_inputs or {})}
+    decided_by = dict(key_config) if key_config is not None else config.cache_dict()
+    key = cache_key(stage, decided_by, {role: ref.content_hash for role, ref in inputs.items()})
+    outputs = list(config.outputs().values())
+    cached = None
+    if not force and all(cached_manifest(p, key) is not None for p in outputs):
+        cached = read_manifest(outputs[0])
+    return StageStart(inputs, key, cached)

@@ -1,0 +1,91 @@
+"""The one DeepSpeed config: cluster/deepspeed/zero<stage>.json with each stage's knobs filled in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlpipe.cluster.launch import deepspeed_template
+from rlpipe.stages.common import deepspeed as ds
+
+
+def filled(template: dict, **values) -> dict:
+    out = dict(template)
+    out.update(values)
+    return out
+
+
+def _captured_config(monkeypatch, module=ds, name="make_engine"):
+    """Stop at the engine factory and keep the config a stage built (no training needed to check it);
+    returns (configs seen, the exception that stops the stage)."""
+    seen: list[dict] = []
+
+    class Built(Exception):
+        pass
+
+    def fake(model, config, **_):
+        seen.append(config)
+        raise Built
+
+    monkeypatch.setattr(module, name, fake)
+    return seen, Built
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_config_is_the_templatefilled(stage):
+    cfg = ds.ds_config(stage, micro_batch_size=4, grad_accum=3, world_size=2, grad_clip=0.5, bf16=True)
+    template = deepspeed_template(stage)
+    assert cfg == filled(template, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3,
+                          train_batch_size=24, gradient_clipping=0.5, bf16={"enabled": True})
+    assert cfg["zero_optimization"] == template["zero_optimization"]  # untouched: the template's
+
+
+def test_sft_builds_its_config_from_the_template(tmp_path, tiny_policy_dir, monkeypatch):
+    from rlpipe.stages.sft.config import SFTConfig
+    from rlpipe.stages.sft.run import run
+    from rlpipe.stages.task.arithmetic import ArithmeticTask, make_splits, write_prompts
+
+    task = ArithmeticTask(a_range=(0, 9), b_range=(0, 9))
+    write_prompts(tmp_path / "prompts", make_splits(task, 20, 0, seed=0)[0], split="train", task=task, seed=0)
+    seen, built = _captured_config(monkeypatch)
+    with pytest.raises(built):
+        run(SFTConfig(base=tiny_policy_dir, prompts=tmp_path / "prompts", output=tmp_path / "o",
+                      batch_size=8, grad_clip=0.25, zero_stage=2))
+    assert seen == [filled(deepspeed_template(2), train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=1,
+                            train_batch_size=8, gradient_clipping=0.25, bf16={"enabled": False})]
+
+
+def test_reward_model_builds_its_config_from_the_template(tmp_path, tiny_policy_dir, monkeypatch):
+    from rlpipe.stages.preferences.synthetic import write_synthetic_preferences
+    from rlpipe.stages.reward_model.config import RewardModelConfig
+    from rlpipe.stages.reward_model.run import run
+
+    write_synthetic_preferences(tmp_path / "prefs", 40, kind="keyword", seed=1)
+    seen, built = _captured_config(monkeypatch)
+    with pytest.raises(built):
+        run(RewardModelConfig(preferences=tmp_path / "prefs", base=tiny_policy_dir, output=tmp_path / "rm",
+                              batch_size=4, gradient_accumulation=2, grad_clip=0.75, zero_stage=1))
+    assert seen == [filled(deepspeed_template(1), train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                            train_batch_size=8, gradient_clipping=0.75, bf16={"enabled": False})]
+
+
+
+def test_notice_before_the_cpu_comm_op_is_built(tmp_path, monkeypatch, capsys):
+    """An empty torch_extensions cache: one line says the op is being built; a built one: silence."""
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    ds.import_deepspeed()
+    monkeypatch.setattr(ds_comm, "cdb", None)  # as before the first engine of a process
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "empty"))
+    ds._announce_op_build()
+    err = capsys.readouterr().err
+    assert err.startswith("building DeepSpeed's CPU communication op deepspeed_shm_comm (first use") and str(tmp_path) in err
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "built"))
+    (Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so").write_bytes(b"")
+    ds._announce_op_build()
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,110 @@
+"""The rollout stage's prompt handling: chat templates, metadata carried to rollouts, and the
+prompts it refuses (repeated ids, empty prompts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlpipe.schemas import PROMPTS, read_table_artifact, write_table_artifact
+from rlpipe.stages.rollout.config import RolloutConfig
+from rlpipe.stages.rollout.run import run
+
+#: A small chat template: BOS, then '<role>content' per turn, then '<assistant>' to answer.
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _config(policy: Path, prompts: Path, out: Path, **kw) -> RolloutConfig:
+    return RolloutConfig(checkpoint=policy, prompts=prompts, output=out, group_size=2, max_new_tokens=3, **kw)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    cols = {c: [r.get(c) for r in rows] for c in PROMPTS.column_names}
+    write_table_artifact(path, PROMPTS, cols, stage="test")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_policy(tiny_policy_dir, tiny_tokenizer, tmp_path_factory) -> Path:
+    """The tiny policy whose tokenizer has a chat template."""
+    out = tmp_path_factory.mktemp("chat_policy") / "policy"
+    shutil.copytree(tiny_policy_dir, out)
+    tok = type(tiny_tokenizer).from_pretrained(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+CHATS = [
+    {"prompt_id": "plain", "prompt": "Q: 1+2= A:", "metadata": json.dumps({"tests": [1, 2]})},
+    {"prompt_id": "chat", "prompt": "Q: 3+4= A:", "metadata": None,
+     "messages": [{"role": "user", "content": "Q: 3+4="}, {"role": "assistant", "content": "A: 7"},
+                  {"role": "user", "content": "Q: 3+4= A:"}]},
+    {"prompt_id": "own_system", "prompt": "Q: 5+5= A:", "metadata": json.dumps({"choices": ["10", "11"]}),
+     "messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "Q: 5+5= A:"}]},
+]
+
+
+def test_stored_prompt_ids_are_the_templated_ones(chat_policy, tmp_path):
+    from transformers import AutoTokenizer
+
+    prompts = _write(tmp_path / "prompts", CHATS)
+    run(_config(chat_policy, prompts, tmp_path / "r", system_prompt="Be brief."))
+    tok = AutoTokenizer.from_pretrained(chat_policy)
+    # Written out, not built with the stage's own helper: a plain prompt is one user turn, the
+    # system prompt goes first unless the messages bring their own.
+    expected_turns = {
+        "plain": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 1+2= A:"}],
+        "chat": [{"role": "system", "content": "Be brief."}, *CHATS[1]["messages"]],
+        "own_system": CHATS[2]["messages"],
+    }
+    rows = read_table_artifact(tmp_path / "r").to_pylist()
+    assert len(rows) == 6
+    for row in rows:
+        want = tok.apply_chat_template(expected_turns[row["prompt_id"]], add_generation_prompt=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want  # transformers 5: a BatchEncoding
+        assert row["prompt_token_ids"] == list(want), row["prompt_id"]
+        # the template changed the tokens: BOS + '<system>Be brief.' ... is longer than BOS + prompt
+        assert len(row["prompt_token_ids"]) > len(tok(row["prompt"]).input_ids)
+        source = next(c for c in CHATS if c["prompt_id"] == row["prompt_id"])
+        assert row["metadata"] == source["metadata"]  # metadata rides along, null stays null
+        assert row["prompt"] == source["prompt"]
+
+
+def test_chat_template_false_tokenizes_plain_prompts_as_is(chat_policy, tmp_path):
+    from transformers import AutoTokenizer
+
+    prompts = _write(tmp_path / "prompts", [CHATS[0]])
+    run(_config(chat_policy, prompts, tmp_path / "r", chat_template=False))
+    tok = AutoTokenizer.from_pretrained(chat_policy)
+    row = read_table_artifact(tmp_path / "r").to_pylist()[0]
+    assert row["prompt_token_ids"] == tok("Q: 1+2= A:").input_ids
+
+
+def test_messages_without_a_template_are_refused(chat_policy, tiny_policy_dir, tmp_path):
+    prompts = _write(tmp_path / "prompts", CHATS)
+    with pytest.raises(ValueError, match=r"gives prompts as chat messages \(prompt_id 'chat'.*chat_template is false"):
+        run(_config(chat_policy, prompts, tmp_path / "r1", chat_template=False))
+    with pytest.raises(ValueError, match=r"chat messages .* has no chat template"):
+        run(_config(tiny_policy_dir, prompts, tmp_path / "r2"))  # 'auto', tokenizer without one
+    with pytest.raises(ValueError, match="chat_template is true but the tokenizer of .* has no chat template"):
+        run(_config(tiny_policy_dir, prompts, tmp_path / "r3", chat_template=True))
+    with pytest.raises(ValueError, match="system_prompt needs the chat template"):
+        _config(tiny_policy_dir, prompts, tmp_path / "r4", chat_template=False, system_prompt="x")
+
+
+def test_repeated_ids_and_empty_prompts_are_refused_with_rows(tiny_policy_dir, tmp_path):
+    rows = [{"prompt_id": f"p{i}", "prompt": f"Q: {i}+1= A:"} for i in range(6)]
+    dup = _write(tmp_path / "dup", [*rows[:2], {**rows[2], "prompt_id": "p0"}, *rows[3:], {**rows[5], "prompt_id": "p1"}])
+    with pytest.raises(ValueError, match=rf"prompts artifact {dup}: column 'prompt_id' repeats ids "
+                                         r"\('p0' at rows 0, 2; 'p1' at rows 1, 6; rows counted from 0"):
+        run(_config(tiny_policy_dir, dup, tmp_path / "r"))
+    empty = _write(tmp_path / "empty", [*rows[:3], {**rows[3], "prompt": "  \n"},
+                                        {**rows[4], "prompt": "x", "messages": [{"role": "user", "content": " "}]},
+                                        rows[5]])
+    with pytest.raises(ValueError, match=rf"prompts artifact {empty}: empty prompts .* at rows 3, 4 \(counted from 0"):
+        run(_config(tiny_policy_dir, empty, tmp_path / "r"))
