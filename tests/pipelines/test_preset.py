@@ -16,6 +16,8 @@ def _contains(got, want) -> bool:
         return isinstance(got, dict) and all(k in got and _contains(got[k], v) for k, v in want.items())
     if isinstance(want, list):
         return isinstance(got, list) and len(got) == len(want) and all(map(_contains, got, want))
+    if isinstance(got, dict) and isinstance(want, str):  # `loss: gspo` is `loss: {name: gspo}`
+        return got.get("name") == want
     return got == want
 
 
@@ -23,22 +25,29 @@ def _contains(got, want) -> bool:
 def test_builtin_preset_loads_and_every_stage_config_validates(name):
     """Every knob written in the preset file reaches its stage's config with that value (none is
     dropped, renamed or overridden by a default on the way)."""
+    from pathlib import Path
+
     import yaml
 
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
     from rlpipe.pipelines.preset import PRESETS_DIR
-    from rlpipe.pipelines.runner import STAGE_RUNS, _placeholders, stage_config
 
     raw = yaml.safe_load((PRESETS_DIR / f"{name}.yaml").read_text())
     preset = load_preset(name)
     assert preset.name == name
     assert (preset.iterations, preset.prompts_per_iteration) == (raw["iterations"], raw["prompts_per_iteration"])
+    plan = Plan(preset, RunLayout(Path("runs") / name))
+    configs = {}  # the first config of each stage the run builds (set-up, then iteration 0)
+    for call in [*plan.setup(), *plan.iteration(0)]:
+        configs.setdefault(call.name, call.config.model_dump(mode="json"))
     checked = 0
-    for stage in STAGE_RUNS:
-        fragment = raw.get(stage)
-        if not fragment:
-            continue
-        cfg = stage_config(stage, getattr(preset, stage), **_placeholders(stage, preset)).model_dump(mode="json")
-        for key, value in fragment.items():
+    for stage, cfg in configs.items():
+        fragment = raw.get("data", {}).get("task") if stage == "task" else raw.get(stage)
+        if stage == "score":  # `checkpoint: reward_model` names the run's own reward model
+            fragment = {"components": [{**c, "checkpoint": str(plan.reward_model())} if c.get("checkpoint") == "reward_model"
+                                       else c for c in fragment["components"]]}
+        for key, value in (fragment or {}).items():
             assert _contains(cfg[key], value), f"{name}: {stage}.{key} = {cfg[key]!r}, the preset says {value!r}"
             checked += 1
     assert checked >= 5, f"{name}: only {checked} stage knobs found"
