@@ -24,6 +24,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlpipe.schemas.errors import ArtifactError
+
 STAGING = ".staging"
 
 # Private staging directories this process opened and has not swapped in yet.
@@ -72,9 +74,13 @@ def open_staging(path: Path | str, *, shared: bool = False, fresh: bool = True) 
         raise NotADirectoryError(f"{path} exists and is not a directory; remove it or choose another output")
     remove_stale_staging(path)
     staging = staging_path(path, shared=shared)
-    if fresh and staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        if fresh and staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot create its staging directory {staging.name} beside it "
+                            f"({e.strerror}); choose a writable output") from None
     if not shared:
         _OPEN.add(staging)
     return staging
@@ -161,9 +167,13 @@ def staged_directory(path: Path | str, *, write: bool = True) -> Iterator[Path]:
     staging = open_staging(path) if write else staging_path(path)
     try:
         yield staging
-    except BaseException:
+    except BaseException as e:
         if write:
             shutil.rmtree(staging, ignore_errors=True)
+            _OPEN.discard(staging)
+        if isinstance(e, OSError) or "No space left" in str(e):  # safetensors' errors name no file
+            raise ArtifactError(f"{path}: saving the checkpoint failed ({e}); the previous checkpoint, "
+                                "if any, is untouched: free space or choose another output") from e
         raise
     if write:
         swap_into_place(staging, path)

@@ -126,6 +126,9 @@ class ArtifactWriter:
             pq.write_table(table, tmp, compression=self.compression)
             info = FileInfo(name=name, bytes=tmp.stat().st_size, sha256=sha256_file(tmp), rows=table.num_rows)
             os.replace(tmp, final)
+        except OSError as e:  # disk full, read-only: Arrow's message does not name the file
+            raise ArtifactError(f"{self.path / name}: cannot write the shard ({e}); nothing was "
+                                "replaced: free space or choose another output") from None
         finally:
             tmp.unlink(missing_ok=True)
         self._written[name] = info
@@ -272,7 +275,10 @@ def split_rows(table: pa.Table, shard_by: str | None, rows_per_shard: int | None
 
 def write_manifest(path: Path | str, manifest: Manifest) -> None:
     data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
-    atomic_write_bytes(Path(path) / MANIFEST_NAME, data.encode(), fsync=True)
+    try:
+        atomic_write_bytes(Path(path) / MANIFEST_NAME, data.encode(), fsync=True)
+    except OSError as e:
+        raise ArtifactError(f"{Path(path) / MANIFEST_NAME}: cannot write the manifest ({e})") from None
 
 
 def commit_directory(
