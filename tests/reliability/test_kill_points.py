@@ -7,10 +7,15 @@ the uninterrupted reference run's (by content hash) and nothing partial may be v
 the whole run must equal the reference, and nothing completed before a kill may have been
 recomputed. Boundaries are observed from outside (a manifest appears); points inside a stage pause
 one function through tests/reliability/pause_driver.py (test-only) and are killed there.
+
+Each segment is a process forked from a zygote that has imported rlpipe, torch and DeepSpeed and
+run nothing (pause_driver.py): the same fresh run as `rlpipe run` in a new interpreter, without
+paying ~8 s of imports sixteen times.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,44 +64,64 @@ POINTS = [
 ]
 
 
-def _start(cmd: list[str], pause: str | None, pause_file: Path) -> subprocess.Popen:
-    env = dict(ENV)
-    if pause:
-        env |= {"RLPIPE_TEST_PAUSE": pause, "RLPIPE_TEST_PAUSE_FILE": str(pause_file)}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            start_new_session=True)
+class Zygote:
+    """pause_driver.py --zygote: forks one `rlpipe` run per request."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(DRIVER), "--zygote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=ENV)
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+
+    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log), "env": env or {}}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["pid"]
+
+    def wait(self) -> int:
+        return json.loads(self.proc.stdout.readline())["exit"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
-def _kill_at(proc: subprocess.Popen, run_dir: Path, point: KillPoint, pause_file: Path) -> bool:
-    """Poll for the point (5 ms), SIGKILL the process group there; True if it was reached."""
+def _kill_at(zygote: Zygote, pid: int, run_dir: Path, point: KillPoint, pause_file: Path) -> tuple[bool, int]:
+    """Poll for the point (5 ms), SIGKILL the run there; (reached, exit code)."""
     def reached() -> bool:
         if point.pause:
             return pause_file.exists()
         return all((run_dir / a / MANIFEST).is_file() for a in point.after)
 
     deadline = time.monotonic() + 300
-    while not reached() and proc.poll() is None and time.monotonic() < deadline:
+    while not reached() and time.monotonic() < deadline:
+        try:  # still running? (a zombie until the zygote reaps it, so ask /proc)
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                break
+        except FileNotFoundError:
+            break
         time.sleep(0.005)
     hit = reached()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return hit
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return hit, zygote.wait()
 
 
 def test_every_kill_point_resumes_to_the_uninterrupted_run(reference_run, tmp_path):
     reference = hashes(reference_run)
     run_dir = tmp_path / "killed" / "mini"
-    cmd = [sys.executable, str(DRIVER), "run", str(reference_run / "preset.yaml"), "--local",
-           "--run-dir", str(run_dir)]
+    argv = ["run", str(reference_run / "preset.yaml"), "--local", "--run-dir", str(run_dir)]
     results: list[tuple[str, str]] = []
     kept: dict[str, str] = {}  # manifests complete at some kill: must never be rewritten
+    zygote = Zygote()
     for i, point in enumerate(POINTS):
-        pause_file = tmp_path / f"paused-{i}"
-        proc = _start(cmd, point.pause, pause_file)
-        if not _kill_at(proc, run_dir, point, pause_file):
-            results.append((point.name, f"not reached (exit {proc.returncode}): {proc.stderr.read()[-500:]!r}"))
+        pause_file, log = tmp_path / f"paused-{i}", tmp_path / f"segment-{i}.log"
+        env = {"RLPIPE_TEST_PAUSE": point.pause, "RLPIPE_TEST_PAUSE_FILE": str(pause_file)} if point.pause else {}
+        hit, code = _kill_at(zygote, zygote.start(argv, log, env), run_dir, point, pause_file)
+        if not hit or code != -signal.SIGKILL:
+            results.append((point.name, f"not reached (exit {code}): {log.read_text()[-800:]!r}"))
             continue
-        proc.stderr.close()
         now = hashes(run_dir)
         wrong = {k: v for k, v in now.items() if reference.get(k) != v}
         early = [b for b in point.before if b in now]
@@ -106,8 +131,11 @@ def test_every_kill_point_resumes_to_the_uninterrupted_run(reference_run, tmp_pa
                     f"partial artifacts visible: {partial}" if partial else ""]
         results.append((point.name, "; ".join(p for p in problems if p) or "identical"))
         kept |= {k: v for k, v in created(run_dir).items()}
-    final = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
-    assert final.returncode == 0, final.stderr[-2000:]
+    log = tmp_path / "final.log"
+    zygote.start(argv, log)
+    code = zygote.wait()
+    zygote.close()
+    assert code == 0, log.read_text()[-2000:]
     after = created(run_dir)
     rewritten = sorted(k for k, v in kept.items() if after.get(k) != v)
 
