@@ -166,22 +166,26 @@ def run(
     """
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.schemas.errors import UserError
+    from rlpipe.schemas.staging import discard_open_staging
+    from rlpipe.stages.common.interrupt import exit_on_signals
 
-    try:
-        spec = load_preset(preset, list(ctx.args))
-        _quiet_libraries()
-        if local:
-            from rlpipe.pipelines.runner import Pipeline
+    with exit_on_signals(f"run {run_dir or preset}"):
+        try:
+            spec = load_preset(preset, list(ctx.args))
+            _quiet_libraries()
+            if local:
+                from rlpipe.pipelines.runner import Pipeline
 
-            Pipeline(spec, run_dir).run()
-        else:
-            from rlpipe.flows.run_flow import run_flow
+                Pipeline(spec, run_dir).run()
+            else:
+                from rlpipe.flows.run_flow import run_flow
 
-            run_flow(spec, str(run_dir) if run_dir else None)
-    except UserError as e:
-        if debug:
-            raise
-        raise _fail(str(e), 2) from None
+                run_flow(spec, str(run_dir) if run_dir else None)
+        except BaseException as e:
+            discard_open_staging()  # nothing partial stays behind
+            if not isinstance(e, UserError) or debug:
+                raise
+            raise _fail(str(e), 2) from None
 
 
 data_app = typer.Typer(help="Bring your own data: import files as artifacts.", no_args_is_help=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from rlpipe.pipelines.layout import RunLayout
+from rlpipe.pipelines.lock import run_lock
 from rlpipe.pipelines.plan import Plan, StageCall
 from rlpipe.pipelines.preset import Preset
 from rlpipe.schemas import Manifest
@@ -82,6 +83,11 @@ class Pipeline:
 
     def run(self) -> list[IterationRecord]:
         """Set-up stages, then the iterations; returns one record per iteration."""
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        with run_lock(self.layout.root, log=self.log):
+            return self._run()
+
+    def _run(self) -> list[IterationRecord]:
         from rlpipe.pipelines.sinks import RunMonitor
 
         p, L = self.preset, self.layout

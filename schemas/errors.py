@@ -30,3 +30,8 @@ class SchemaMismatch(ArtifactError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{self.path}: does not match schema {expected!r}:\n{lines}")
+
+
+class IntegrityError(ArtifactError):
+    """A file differs from what its manifest promises (hash, size, rows), or a manifest from its own
+    content hash: it was changed after it was written. The message names the file."""

@@ -13,24 +13,32 @@ import pyarrow as pa
 from rlpipe.schemas.atomic import sha256_file
 from rlpipe.schemas.columns import ArtifactSchema
 from rlpipe.schemas.errors import ArtifactError, ArtifactNotFound, SchemaMismatch
-from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest, content_hash
+from rlpipe.schemas.manifest import MANIFEST_NAME, FileInfo, Manifest, content_hash
 from rlpipe.schemas.shards import SHARD_GLOB, check_file_schema, read_shard, resolve_schema
+from rlpipe.schemas.verify import check_manifest_hash, verify_file
 
 if TYPE_CHECKING:
     import polars as pl
 
 
 def read_manifest(path: Path | str) -> Manifest:
-    """The manifest of an artifact; ArtifactNotFound if there is none (missing or incomplete)."""
+    """The manifest of an artifact; ArtifactNotFound if there is none (missing or incomplete),
+    IntegrityError if its content hash is not that of its file list."""
     path = Path(path)
     mpath = path / MANIFEST_NAME
     if not mpath.is_file():
-        why = "does not exist" if not path.exists() else "has no _manifest.json (incomplete: its stage did not finish)"
-        raise ArtifactNotFound(f"artifact {path} {why}")
+        raise _not_found(path)
     try:
-        return Manifest.model_validate_json(mpath.read_bytes())
+        manifest = Manifest.model_validate_json(mpath.read_bytes())
     except ValueError as e:
         raise ArtifactError(f"{mpath}: not a valid rlpipe manifest: {e}") from None
+    check_manifest_hash(manifest, path)
+    return manifest
+
+
+def _not_found(path: Path) -> ArtifactNotFound:
+    why = "does not exist" if not path.exists() else "has no _manifest.json (incomplete: its stage did not finish)"
+    return ArtifactNotFound(f"artifact {path} {why}")
 
 
 def exists(path: Path | str) -> bool:
@@ -61,12 +69,13 @@ def table_schema(manifest: Manifest, path: Path, schema: ArtifactSchema | str | 
 def iter_shards(
     path: Path | str, schema: ArtifactSchema | str | None = None, columns: Sequence[str] | None = None
 ) -> Iterator[tuple[Path, pa.Table]]:
-    """Yield (shard path, validated table) for each shard of a complete artifact, in order."""
+    """Yield (shard path, verified and validated table) for each shard of a complete artifact."""
     path = Path(path)
     manifest = read_manifest(path)
     expected = table_schema(manifest, path, schema)
-    for name in manifest.shard_names:
-        yield path / name, read_shard(path / name, expected, columns)
+    for info in manifest.files:
+        if info.rows is not None:
+            yield path / info.name, read_shard(path / info.name, expected, columns, info)
 
 
 def read_table_artifact(
@@ -85,17 +94,23 @@ def validate_artifact(path: Path | str, schema: ArtifactSchema | str | None = No
     """Every problem with an artifact (manifest, files, hashes, schemas); empty when valid."""
     path = Path(path)
     try:
-        manifest = read_manifest(path)
-    except ArtifactError as e:
-        return [str(e)]
+        manifest = Manifest.model_validate_json((path / MANIFEST_NAME).read_bytes())
+    except FileNotFoundError:
+        return [str(_not_found(path))]
+    except ValueError as e:
+        return [f"{path / MANIFEST_NAME}: not a valid rlpipe manifest: {e}"]
     problems: list[str] = []
     listed = {f.name for f in manifest.files}
+    # The files as they are: the schema checks below read them unverified (each difference from
+    # the manifest is listed here instead of stopping the check).
+    actual: dict[str, FileInfo] = {}
     for info in manifest.files:
         fpath = path / info.name
         if not fpath.is_file():
             problems.append(f"{fpath}: listed in the manifest but missing")
             continue
-        if sha256_file(fpath) != info.sha256:
+        actual[info.name] = FileInfo(name=info.name, bytes=fpath.stat().st_size, sha256=sha256_file(fpath))
+        if actual[info.name].sha256 != info.sha256:
             problems.append(f"{fpath}: content differs from the manifest's sha256 (modified after writing)")
     if manifest.content_hash != content_hash(manifest.files):
         problems.append(f"{path / MANIFEST_NAME}: content_hash does not match its file list")
@@ -110,7 +125,7 @@ def validate_artifact(path: Path | str, schema: ArtifactSchema | str | None = No
         for name in manifest.shard_names:
             if (path / name).is_file():
                 try:
-                    t = read_shard(path / name, expected)
+                    t = read_shard(path / name, expected, info=actual[name])
                 except SchemaMismatch as e:
                     problems.append(str(e))
                     continue
@@ -128,9 +143,11 @@ def scan_artifact(path: Path | str, schema: ArtifactSchema | str | None = None) 
     manifest = read_manifest(path)
     expected = table_schema(manifest, path, schema)
     files = []
-    for name in manifest.shard_names:
-        check_file_schema(path / name, expected)
-        files.append(str(path / name))
+    for info in manifest.files:
+        if info.rows is not None:
+            verify_file(path / info.name, info)
+            check_file_schema(path / info.name, expected)
+            files.append(str(path / info.name))
     if not files:
         return pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)
     return pl.scan_parquet(files, glob=False)

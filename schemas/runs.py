@@ -19,6 +19,7 @@ from rlpipe.schemas.columns import ArtifactSchema
 from rlpipe.schemas.errors import ArtifactNotFound
 from rlpipe.schemas.reading import exists, read_manifest, table_schema
 from rlpipe.schemas.shards import check_file_schema, same_schema
+from rlpipe.schemas.verify import verify_file
 
 if TYPE_CHECKING:
     import polars as pl
@@ -70,15 +71,18 @@ def _run_shards(
     run_dir: Path | str, name: str, schema: ArtifactSchema | str | None
 ) -> list[tuple[int, Path, list[str], pa.Schema | None]]:
     """(iteration, artifact, its shard paths, the schema of its first shard) per complete
-    iteration artifact, every shard's schema checked."""
+    iteration artifact, every shard verified against its manifest and its schema checked."""
     out = []
     for k, art in _iteration_artifacts(run_dir, name):
         manifest = read_manifest(art)
         expected = table_schema(manifest, art, schema)
         files, first = [], None
-        for shard in manifest.shard_names:
-            actual = check_file_schema(art / shard, expected)
-            files.append(str(art / shard))
+        for info in manifest.files:
+            if info.rows is None:
+                continue
+            verify_file(art / info.name, info)
+            actual = check_file_schema(art / info.name, expected)
+            files.append(str(art / info.name))
             first = first if first is not None else actual
         out.append((k, art, files, first))
     if not out:

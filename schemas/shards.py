@@ -11,7 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlpipe.schemas.columns import SCHEMA_NAME_KEY, ArtifactSchema
-from rlpipe.schemas.errors import ArtifactError, SchemaMismatch
+from rlpipe.schemas.errors import ArtifactError, IntegrityError, SchemaMismatch
+from rlpipe.schemas.manifest import FileInfo
+from rlpipe.schemas.verify import known_hash, listed_entry, read_verified
 
 SHARD_PREFIX = "part-"
 SHARD_SUFFIX = ".parquet"
@@ -101,10 +103,11 @@ def null_problems(table: pa.Table, expected: ArtifactSchema) -> list[str]:
     return problems
 
 
-def check_file_schema(path: Path | str, expected: ArtifactSchema) -> pa.Schema:
-    """The Arrow schema of a Parquet file, checked against `expected`; SchemaMismatch otherwise."""
+def check_file_schema(path: Path | str, expected: ArtifactSchema, source: pa.Buffer | None = None) -> pa.Schema:
+    """The Arrow schema of a Parquet file (read from `source` when given, else from `path`),
+    checked against `expected`; SchemaMismatch otherwise."""
     try:
-        actual = pq.read_schema(path)
+        actual = pq.read_schema(pa.BufferReader(source) if source is not None else path)
     except (pa.ArrowInvalid, OSError) as e:
         raise SchemaMismatch(path, expected.name, [f"not a readable Parquet file ({e})"]) from None
     problems = schema_problems(actual, expected)
@@ -113,12 +116,25 @@ def check_file_schema(path: Path | str, expected: ArtifactSchema) -> pa.Schema:
     return actual
 
 
-def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None) -> pa.Table:
-    """Read one shard, validating its schema; raises SchemaMismatch naming the file and columns."""
+def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None,
+               info: FileInfo | None = None) -> pa.Table:
+    """Read one shard, verified and validated: its bytes against the sha256 (and rows) its
+    manifest lists (`info`, default: looked up in the manifest beside it; a directory without a
+    manifest, such as a stage's own staging directory, has nothing to verify against), then its
+    schema. IntegrityError or SchemaMismatch name the file."""
     path = Path(path)
     expected = resolve_schema(schema)
-    check_file_schema(path, expected)
-    table = pq.read_table(path, columns=list(columns) if columns is not None else None)
+    info = info if info is not None else listed_entry(path)
+    names = list(columns) if columns is not None else None
+    if info is None or known_hash(path) == info.sha256:
+        check_file_schema(path, expected)
+        table = pq.read_table(path, columns=names)
+    else:  # one read of the file: hashed, then decoded from memory
+        data = pa.py_buffer(read_verified(path, info))
+        check_file_schema(path, expected, source=data)
+        table = pq.read_table(pa.BufferReader(data), columns=names)
+    if info is not None and info.rows is not None and table.num_rows != info.rows:
+        raise IntegrityError(f"{path}: {table.num_rows} rows, its manifest says {info.rows}")
     problems = null_problems(table, expected)
     if problems:
         raise SchemaMismatch(path, expected.name, problems)

@@ -6,11 +6,15 @@ An artifact is a directory:
     part-00000.parquet, part-00001.parquet, ...   rows of one schema
     _manifest.json                                written last; the artifact exists iff it exists
 
-Shards and the manifest are written atomically (rlpipe.schemas.atomic); the manifest comes last.
+Shards and the manifest are written atomically (rlpipe.schemas.atomic) into a staging directory
+beside the artifact (rlpipe.schemas.staging); the manifest comes last, then the staging directory
+is swapped into place. Until then the previous artifact at that path, if any, is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -37,12 +41,12 @@ from rlpipe.schemas.manifest import (
 )
 from rlpipe.schemas.shards import (
     SHARD_GLOB,
-    SHARD_PREFIX,
     check_file_schema,
     null_problems,
     resolve_schema,
     shard_name,
 )
+from rlpipe.schemas.staging import open_staging, swap_into_place
 
 
 def conform(table: pa.Table | Mapping[str, Any], schema: pa.Schema, where: str) -> pa.Table:
@@ -67,17 +71,18 @@ def conform(table: pa.Table | Mapping[str, Any], schema: pa.Schema, where: str) 
 
 
 class ArtifactWriter:
-    """Writes one table artifact: shards first, each atomically, then the manifest.
+    """Writes one table artifact: shards first, each atomically, then the manifest, all in a
+    staging directory (`staging`) that `commit()` swaps into place at `path`.
 
     Usage:
         writer = ArtifactWriter(out_dir, ROLLOUTS, stage="rollout", config=cfg_dict, inputs=...)
         writer.write_shard(table, index=0)
         manifest = writer.commit()
 
-    Opening a writer removes any manifest first (the artifact stops existing), then, with
-    `clean=True`, every shard and temporary file a previous, possibly killed, run left behind.
-    Workers that share one artifact directory open with `clean=False` and write disjoint shard
-    indices; `commit()` (by one process, after all workers) lists every shard present.
+    Opening a writer leaves the artifact at `path` as it is (complete or not) until commit. With
+    `clean=True` (one process) it writes into a fresh private staging directory. Workers that
+    share one artifact open with `clean=False`: they write disjoint shard indices into one shared
+    staging directory, and `commit()` (by the last worker) lists every shard present there.
     """
 
     def __init__(
@@ -103,10 +108,8 @@ class ArtifactWriter:
         self.compression = compression
         self._started = time.time()
         self._written: dict[str, FileInfo] = {}
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / MANIFEST_NAME).unlink(missing_ok=True)
-        if clean:
-            clear_directory(self.path)
+        self.staging = open_staging(self.path, shared=not clean, fresh=clean)
+        """Where shards go until `commit()` (read the stage's own shards from here)."""
 
     def write_shard(self, table: pa.Table | Mapping[str, Any], index: int) -> FileInfo:
         """Write `table` as shard number `index`, atomically; returns its file info."""
@@ -117,21 +120,28 @@ class ArtifactWriter:
             raise SchemaMismatch(self.path / name, self.schema.name, problems)
         # Straight into the hidden temporary file, hashed from the page cache, then renamed:
         # ~10% faster than encoding into a memory buffer first (benchmarks/bench_artifacts.py).
-        final = self.path / name
+        final = self.staging / name
         tmp = temp_path_for(final)
         try:
             pq.write_table(table, tmp, compression=self.compression)
             info = FileInfo(name=name, bytes=tmp.stat().st_size, sha256=sha256_file(tmp), rows=table.num_rows)
             os.replace(tmp, final)
+        except OSError as e:  # disk full, read-only: Arrow's message does not name the file
+            raise ArtifactError(f"{self.path / name}: cannot write the shard ({e}); nothing was "
+                                "replaced: free space or choose another output") from None
         finally:
             tmp.unlink(missing_ok=True)
         self._written[name] = info
         return info
 
     def commit(self, extra: Mapping[str, Any] | None = None, wall_time_s: float | None = None) -> Manifest:
-        """Write the manifest (last), listing every shard in the directory."""
+        """Write the manifest (last), listing every shard in the staging directory, and swap the
+        staging directory into place (sub-directories of the old `path` are kept: nested
+        artifacts a stage wrote inside its output before committing it)."""
+        for marker in self.staging.glob(".worker-*.done"):
+            marker.unlink(missing_ok=True)
         files = []
-        for shard in sorted(self.path.glob(SHARD_GLOB)):
+        for shard in sorted(self.staging.glob(SHARD_GLOB)):
             info = self._written.get(shard.name)
             if info is None:  # written by another worker: check and hash it here
                 check_file_schema(shard, self.schema)
@@ -139,7 +149,8 @@ class ArtifactWriter:
                 info = FileInfo(name=shard.name, bytes=shard.stat().st_size, sha256=sha256_file(shard), rows=rows)
             files.append(info)
         manifest = self._manifest(files, extra, wall_time_s)
-        write_manifest(self.path, manifest)
+        write_manifest(self.staging, manifest)
+        swap_into_place(self.staging, self.path, keep_subdirs=True)
         return manifest
 
     def _manifest(self, files: list[FileInfo], extra: Mapping[str, Any] | None,
@@ -162,12 +173,12 @@ class ArtifactWriter:
         )
 
     # -- N worker processes sharing one artifact directory ----------------------------------
-    # Worker i writes its own disjoint shards, then drops a marker; the worker that then finds
-    # every worker's marker (for this cache key) and every expected shard writes the manifest.
-    # Two workers finishing at once may both commit: the manifests are identical but for the
-    # timestamp, and each is written atomically.
+    # Worker i writes its own disjoint shards into the shared staging directory, then, holding
+    # the artifact's commit lock, drops a marker; the worker that then finds every worker's marker
+    # (for this cache key) and every expected shard writes the manifest and swaps the staging
+    # directory in. The lock makes that exactly one worker.
     def _marker(self, index: int, count: int) -> Path:
-        return self.path / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"
+        return self.staging / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"
 
     def prepare_worker(self, index: int, count: int, others: Iterable[str]) -> None:
         """Before worker `index` of `count` writes: remove its old marker and every shard except
@@ -175,7 +186,7 @@ class ArtifactWriter:
         was written for these inputs."""
         self._marker(index, count).unlink(missing_ok=True)
         keep = set(others)
-        for p in self.path.glob(SHARD_GLOB):
+        for p in self.staging.glob(SHARD_GLOB):
             if p.name not in keep:
                 p.unlink(missing_ok=True)
 
@@ -184,17 +195,27 @@ class ArtifactWriter:
         """Mark worker `index` done. If every worker is done and every `expected` shard exists,
         run `commit()` (which writes the manifest) and remove the markers; otherwise return an
         in-memory manifest of this worker's own shards (`extra.partial = True`), not written."""
-        self._marker(index, count).touch()
-        markers = [self._marker(i, count) for i in range(count)]
-        present = {p.name for p in self.path.glob(SHARD_GLOB)}
-        if all(m.exists() for m in markers) and present == set(expected):
-            manifest = commit()
-            for m in markers:
-                m.unlink(missing_ok=True)
-            return manifest
+        with _commit_lock(self.path):
+            self._marker(index, count).touch()
+            markers = [self._marker(i, count) for i in range(count)]
+            present = {p.name for p in self.staging.glob(SHARD_GLOB)}
+            if all(m.exists() for m in markers) and present == set(expected):
+                return commit()  # removes the markers, then swaps the staging directory in
         files = sorted(self._written.values(), key=lambda f: f.name)
         partial = {**(extra or {}), "partial": True, "worker_index": index, "worker_count": count}
         return self._manifest(files, partial, wall_time_s)
+
+
+@contextlib.contextmanager
+def _commit_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `.<name>.lock` beside the artifact (released when the process dies)."""
+    lock = path.with_name(f".{path.name}.lock")
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _provenance() -> dict[str, Any]:
@@ -204,13 +225,6 @@ def _provenance() -> dict[str, Any]:
         "host": socket.gethostname(),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def clear_directory(path: Path) -> None:
-    """Remove shards and temporary files (not the manifest: callers remove that first)."""
-    for p in path.iterdir():
-        if p.is_file() and (p.name.startswith(SHARD_PREFIX) or p.name.endswith(TMP_SUFFIX)):
-            p.unlink()
 
 
 def write_table_artifact(
@@ -261,7 +275,10 @@ def split_rows(table: pa.Table, shard_by: str | None, rows_per_shard: int | None
 
 def write_manifest(path: Path | str, manifest: Manifest) -> None:
     data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
-    atomic_write_bytes(Path(path) / MANIFEST_NAME, data.encode(), fsync=True)
+    try:
+        atomic_write_bytes(Path(path) / MANIFEST_NAME, data.encode(), fsync=True)
+    except OSError as e:
+        raise ArtifactError(f"{Path(path) / MANIFEST_NAME}: cannot write the manifest ({e})") from None
 
 
 def commit_directory(
@@ -274,7 +291,8 @@ def commit_directory(
     extra: Mapping[str, Any] | None = None,
     wall_time_s: float = 0.0,
 ) -> Manifest:
-    """Write the manifest of a checkpoint directory (every file hashed); call after saving it."""
+    """Write the manifest of a checkpoint directory (every file hashed); call after saving it,
+    inside `rlpipe.schemas.staging.staged_directory` so the old checkpoint stays whole until then."""
     path = Path(path)
     files = [
         FileInfo(name=str(p.relative_to(path)), bytes=p.stat().st_size, sha256=sha256_file(p))

@@ -90,3 +90,13 @@ def mini_preset_file(tmp_path):
     path = tmp_path / "mini.yaml"
     path.write_text(yaml.safe_dump(MINI))
     return path
+
+
+@pytest.fixture(scope="session")
+def mini_preset_session_file(tmp_path_factory):
+    """The miniature preset as a file shared by the session (tests/reliability reuses one run)."""
+    import yaml
+
+    path = tmp_path_factory.mktemp("preset") / "mini.yaml"
+    path.write_text(yaml.safe_dump(MINI))
+    return path

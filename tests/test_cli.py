@@ -18,7 +18,6 @@ from rlpipe.schemas import (
     ROLLOUTS,
     SCHEMAS,
     SCORES,
-    ArtifactWriter,
     commit_directory,
     scan_artifact,
     write_table_artifact,
@@ -62,8 +61,9 @@ def run_dir(tmp_path):
             write_table_artifact(it / "scores", SCORES, _scores(k, [k, 1.0, 0.0, 1.0], ["stop", "length", "stop", "stop"]),
                                  stage="score", extra_columns=(FORMAT,))
             write_table_artifact(it / "metrics", METRICS, _metrics(k, [1.0, 0.5 - k]), stage="optimize")
-    ArtifactWriter(run / "iter_0003" / "rollouts", ROLLOUTS, stage="rollout").write_shard(
-        example_table(ROLLOUTS, 4, iteration=3), index=0)
+    # an unfinished artifact: a shard, no manifest (writers stage theirs; this is a foreign copy)
+    (run / "iter_0003" / "rollouts").mkdir(parents=True)
+    pq.write_table(example_table(ROLLOUTS, 4, iteration=3), run / "iter_0003" / "rollouts" / "part-00000.parquet")
     write_table_artifact(run / "data" / "prompts_train", SCHEMAS["prompts"], example_table(SCHEMAS["prompts"], 5),
                          stage="data")
     return run

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlpipe.schemas import MANIFEST_NAME, Manifest, commit_directory
+from rlpipe.schemas import Manifest, commit_directory
+from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.base_model.config import BaseModelConfig
 from rlpipe.stages.common.stage_io import StageStart, opens
 
@@ -26,14 +27,14 @@ def run(config: BaseModelConfig, start: StageStart) -> Manifest:
 
     key = start.key
     transformers.utils.logging.disable_progress_bar()
-    (config.output / MANIFEST_NAME).unlink(missing_ok=True)
     tokenizer = train_tokenizer(config.tokenizer_texts, vocab_size=config.vocab_size)
     model = build_model(tokenizer, "causal", size=config.size, seed=config.seed,
                         max_positions=config.max_positions)
-    save_pretrained(model, tokenizer, config.output)
     params = sum(p.numel() for p in model.parameters())
-    return commit_directory(config.output, stage=STAGE, config=config.resolved(), cache_key=key,
-                            extra={"parameters": params, "vocab_size": len(tokenizer)})
+    with staged_directory(config.output) as staging:  # the old checkpoint stays until complete
+        save_pretrained(model, tokenizer, staging)
+        return commit_directory(staging, stage=STAGE, config=config.resolved(), cache_key=key,
+                                extra={"parameters": params, "vocab_size": len(tokenizer)})
 
 
 def make_base_checkpoint(out_dir: Path | str, texts: Sequence[str], *, size: str = "demo", seed: int = 0,

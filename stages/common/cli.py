@@ -17,6 +17,8 @@ from typing import Any
 
 from rlpipe.schemas.config import ConfigError, describe_fields, load_config
 from rlpipe.schemas.errors import UserError
+from rlpipe.schemas.staging import discard_open_staging
+from rlpipe.stages.common.interrupt import exit_on_signals
 
 
 def import_ref(ref: str) -> Any:
@@ -96,13 +98,15 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
         return 0
     started = time.perf_counter()
-    try:
-        manifest = stage.run(config, force=args.force)
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"error: {name}: {e}", file=sys.stderr)
-        return 2
+    with exit_on_signals(f"stage {name}"):
+        try:
+            manifest = stage.run(config, force=args.force)
+        except BaseException as e:
+            discard_open_staging()  # nothing partial stays behind
+            if not isinstance(e, UserError) or args.debug:
+                raise
+            print(f"error: {name}: {e}", file=sys.stderr)
+            return 2
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"

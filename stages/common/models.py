@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.schemas.manifest import MANIFEST_NAME
+from rlpipe.schemas.verify import verify_checkpoint
 
 _CACHE: dict[tuple[str, str], tuple[Any, Any]] = {}
 _MAX_ENTRIES = 4
@@ -49,6 +50,7 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True) ->
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat)
     if not cache:
         return load_checkpoint(path, kind)  # type: ignore[arg-type]
     key = (checkpoint_key(path), kind)

@@ -13,10 +13,10 @@ import copy
 import time
 
 from rlpipe.schemas import (
-    MANIFEST_NAME,
     Manifest,
     commit_directory,
 )
+from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.critic_init.config import CriticInitConfig
 
@@ -50,8 +50,7 @@ def run(config: CriticInitConfig, start: StageStart) -> Manifest:
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(config.policy, "causal")
     critic = critic_from_policy(model, head=config.head, seed=config.seed)
-    config.output.mkdir(parents=True, exist_ok=True)
-    (config.output / MANIFEST_NAME).unlink(missing_ok=True)
-    save_pretrained(critic, tokenizer, config.output)
-    return commit_directory(config.output, stage=STAGE, config=config.resolved(), inputs=inputs,
-                            cache_key=key, wall_time_s=time.time() - started)
+    with staged_directory(config.output) as staging:  # the old checkpoint stays until complete
+        save_pretrained(critic, tokenizer, staging)
+        return commit_directory(staging, stage=STAGE, config=config.resolved(), inputs=inputs,
+                                cache_key=key, wall_time_s=time.time() - started)

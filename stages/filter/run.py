@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from rlpipe.schemas import SCORES, ArtifactWriter, Manifest, iter_shards
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
-from rlpipe.stages.common.stage_io import begin
+from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.common.tables import shard_index
 from rlpipe.stages.filter.config import FilterConfig
 from rlpipe.stages.filter.predicates import drops
@@ -23,13 +23,9 @@ from rlpipe.stages.filter.predicates import drops
 STAGE = "filter"
 
 
-def run(config: FilterConfig, *, force: bool = False) -> Manifest:
-    """Write the filtered scores of `config`; a cache hit returns the existing manifest."""
-    started = time.time()
-    start = begin(STAGE, config, force=force)
-    if start.cached is not None:
-        return start.cached
-
+@opens(STAGE)
+def run(config: FilterConfig, start: StageStart) -> Manifest:
+    """Write the filtered scores of `config`."""
     shards = list(iter_shards(config.scores, SCORES))
     rows: dict[tuple[int, int], dict[str, Any]] = {}  # (iteration, group_id) -> prompt_id, sampled rewards
     for _, table in shards:
@@ -65,7 +61,7 @@ def run(config: FilterConfig, *, force: bool = False) -> Manifest:
         "groups_dropped": len(dropped_out), "groups_surplus": len(surplus), "groups_refilled": len(refilled),
         "dropped": listed(dropped_out), "surplus": listed(surplus), "refilled": listed(refilled),
     }
-    return writer.commit(extra=extra, wall_time_s=time.time() - started)
+    return writer.commit(extra=extra, wall_time_s=time.time() - start.started)
 
 
 def choose_groups(passed: list, dropped: list, keep_groups: int | None, shortfall: str,

@@ -30,6 +30,7 @@ from rlpipe.schemas import (
     read_manifest,
     write_table_artifact,
 )
+from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.models import load_model, remember
@@ -340,13 +341,12 @@ def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef]
         if engine is None:
             continue
         out = Path(out)
+        with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
+            copy = ds.save_pretrained(engine, tokenizer, staging, rank)
+            if rank == 0:
+                commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
+                                 extra={"metrics": summary, "kind": kind, "timing": timing}, wall_time_s=time.time() - started)
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "_manifest.json").unlink(missing_ok=True)
-        copy = ds.save_pretrained(engine, tokenizer, out, rank)
-        if rank == 0:
-            commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
-                             extra={"metrics": summary, "kind": kind, "timing": timing}, wall_time_s=time.time() - started)
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
     return read_manifest(config.output)

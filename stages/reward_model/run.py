@@ -27,6 +27,7 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.manifest import MANIFEST_NAME
+from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.reward_model.config import RewardModelConfig
 
@@ -75,30 +76,28 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
     engine, history = E.train(model, tokenizer, data.take(train_idx), data.take(eval_idx), config,
                               rank, world_size)
 
-    # Write (rank 0): checkpoint files, metrics artifact, then the checkpoint manifest last.
-    out = config.output
+    # Write (rank 0): checkpoint files, metrics artifact, then the checkpoint manifest last, all
+    # staged: the checkpoint at config.output is replaced only once the new one is complete.
+    with staged_directory(config.output, write=rank == 0) as out:
+        save_pretrained(engine, tokenizer, out, rank, part=lambda module: module.model)  # collective
+        if rank == 0:
+            metrics = {
+                "run": [config.run] * len(history.rows),
+                "iteration": [config.iteration] * len(history.rows),
+                "stage": [STAGE] * len(history.rows),
+                "step": [s for s, _, _ in history.rows],
+                "name": [n for _, n, _ in history.rows],
+                "value": [v for _, _, v in history.rows],
+            }
+            write_table_artifact(metrics_path(config), METRICS, metrics, stage=STAGE,
+                                 config=config.resolved(), inputs=inputs, cache_key=key)
+            final = {n: v for _, n, v in history.rows}  # last value of each metric
+            summary = {"train_pairs": len(train_idx), "eval_pairs": len(eval_idx), "world_size": world_size,
+                       "steps": max((s for s, _, _ in history.rows), default=0),
+                       **{k: v for k, v in final.items() if k.startswith("eval_") or k == "loss"}}
+            commit_directory(out, stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
+                             extra=summary, wall_time_s=time.time() - started)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in [*out.glob("*.safetensors"), *out.glob("*.bin"), *out.glob("*.safetensors.index.json")]:
-            stale.unlink()
-    save_pretrained(engine, tokenizer, out, rank, part=lambda module: module.model)  # collective
-    if rank == 0:
-        metrics = {
-            "run": [config.run] * len(history.rows),
-            "iteration": [config.iteration] * len(history.rows),
-            "stage": [STAGE] * len(history.rows),
-            "step": [s for s, _, _ in history.rows],
-            "name": [n for _, n, _ in history.rows],
-            "value": [v for _, _, v in history.rows],
-        }
-        write_table_artifact(metrics_path(config), METRICS, metrics, stage=STAGE,
-                             config=config.resolved(), inputs=inputs, cache_key=key)
-        final = {n: v for _, n, v in history.rows}  # last value of each metric
-        summary = {"train_pairs": len(train_idx), "eval_pairs": len(eval_idx), "world_size": world_size,
-                   "steps": max((s for s, _, _ in history.rows), default=0),
-                   **{k: v for k, v in final.items() if k.startswith("eval_") or k == "loss"}}
-        commit_directory(out, stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
-                         extra=summary, wall_time_s=time.time() - started)
         accuracy = f"held-out pairwise accuracy {final['eval_accuracy']:.4f} on {len(eval_idx)} pairs" \
             if "eval_accuracy" in final else "no held-out pairs (eval_fraction=0)"
         print(f"reward_model: {summary['steps']} steps on {len(train_idx)} pairs, final loss "

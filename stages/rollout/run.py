@@ -103,12 +103,12 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
               "tokens_per_s": round(n_tokens / gen_s, 1) if gen_s else None,
               "engine_start_s": round(engine.start_s, 3)}
     if config.worker_index is None:
-        return writer.commit(extra=_summary(config.output, writer) | {"timing": timing},
+        return writer.commit(extra=_summary(writer.staging, writer) | {"timing": timing},
                              wall_time_s=time.time() - started)
     extra = {"worker_index": config.worker_index, "worker_count": config.worker_count, "timing": timing}
     return writer.finish_worker(
         config.worker_index, config.worker_count, expected=[shard_name(k) for k in range(len(shards))],
-        commit=lambda: writer.commit(extra=_summary(config.output, writer) | extra,
+        commit=lambda: writer.commit(extra=_summary(writer.staging, writer) | extra,
                                      wall_time_s=time.time() - started),
         extra=extra)
 

@@ -120,6 +120,13 @@ class PythonComponent(_Component):
     """Extra keyword arguments passed on every call (JSON-able)."""
     batch_size: int = Field(256, ge=1)
     """Rows per call."""
+    timeout_s: float | None = Field(300.0, gt=0, allow_inf_nan=False)
+    """Seconds one call may take; past it the stage stops with an error naming the component.
+    None: no limit."""
+    isolate: bool = False
+    """Run the function in a worker process (spawned once per stage run): a crash, a hang or
+    `sys.exit` in user code then cannot take the scoring process down. Arguments and results
+    cross a pipe, so they must pickle."""
 
 
 Component = Annotated[

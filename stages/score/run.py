@@ -151,7 +151,7 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
     sums: dict[str, float] = {}
     total_rows = 0
     for n in names:
-        path = config.output / n
+        path = writer.staging / n
         if pq.ParquetFile(path).metadata.num_rows != in_rows[n]:
             raise ArtifactError(f"{path}: row count differs from {config.rollouts / n}; rerun the stage")
         t = read_shard(path, SCORES, columns=["reward", *(f"reward__{c.name}" for c in config.components)])

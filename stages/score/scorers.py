@@ -22,6 +22,7 @@ import numpy as np
 from rlpipe.schemas.errors import UserError
 from rlpipe.stages.common.cli import import_function
 from rlpipe.stages.score import verifiers as V
+from rlpipe.stages.score.contain import contain
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ def python_scorer(c: Any) -> Scorer:
     with_metadata = accepts_metadata(fn)
     if with_metadata and "metadata" in c.kwargs:
         raise ScoreError(c, None, "", f"{c.function} takes the rows' `metadata`; kwargs may not set it too")
+    fn = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []

@@ -21,6 +21,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.sft.config import SFTConfig
 
@@ -87,25 +88,27 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
             rows += [(step, "loss", loss_value), (step, "lr", lr), (step, "target_tokens", float(n_targets))]
             advance(loss=loss_value)
 
-    # Checkpoint (manifest last), then the metrics artifact.
-    (config.output / "_manifest.json").unlink(missing_ok=True)
-    trained = ds.save_pretrained(engine, tokenizer, config.output, rank)
-    train_time = time.time() - started
-    losses = [v for _, n, v in rows if n == "loss"]
-    summary = {"steps": steps, "examples": len(examples), "world_size": world,
-               "first_loss": losses[0], "final_loss": losses[-1], "train_time_s": round(train_time, 3)}
+    # Checkpoint, then the metrics artifact, then the checkpoint's manifest, all staged: the
+    # checkpoint at config.output is replaced only once the new one is complete.
     manifest = None
+    with staged_directory(config.output, write=rank == 0) as staging:
+        trained = ds.save_pretrained(engine, tokenizer, staging, rank)
+        train_time = time.time() - started
+        losses = [v for _, n, v in rows if n == "loss"]
+        summary = {"steps": steps, "examples": len(examples), "world_size": world,
+                   "first_loss": losses[0], "final_loss": losses[-1], "train_time_s": round(train_time, 3)}
+        if rank == 0:
+            write_table_artifact(
+                config.metrics_path, METRICS,
+                # Times stay out of the rows (they are in the manifests) so equal runs give equal content.
+                {"run": [config.run] * len(rows), "iteration": [config.iteration] * len(rows),
+                 "stage": [STAGE] * len(rows), "step": [s for s, _, _ in rows],
+                 "name": [n for _, n, _ in rows], "value": [v for _, _, v in rows]},
+                stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
+            )
+            manifest = commit_directory(staging, stage=STAGE, config=config.resolved(), inputs=inputs,
+                                        cache_key=key, extra=summary, wall_time_s=train_time)
     if rank == 0:
-        write_table_artifact(
-            config.metrics_path, METRICS,
-            # Times stay out of the rows (they are in the manifests) so equal runs give equal content.
-            {"run": [config.run] * len(rows), "iteration": [config.iteration] * len(rows),
-             "stage": [STAGE] * len(rows), "step": [s for s, _, _ in rows],
-             "name": [n for _, n, _ in rows], "value": [v for _, _, v in rows]},
-            stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
-        )
-        manifest = commit_directory(config.output, stage=STAGE, config=config.resolved(), inputs=inputs,
-                                    cache_key=key, extra=summary, wall_time_s=train_time)
         remember(config.output, "causal", trained, tokenizer)  # warm for the next stage in this process
         print(f"sft: {steps} steps on {len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
               f"(final), {train_time:.1f} s", file=sys.stderr)

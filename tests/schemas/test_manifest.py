@@ -18,6 +18,7 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.examples import example_table
+from rlpipe.schemas.staging import staging_path
 
 
 def test_cache_key_equality():
@@ -86,16 +87,18 @@ def test_workers_share_one_artifact(tmp_path):
     single = one.commit()
 
     shared = tmp_path / "shared"
-    workers = [ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=(i == 0)) for i in range(3)]
+    workers = [ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=False) for i in range(3)]
     for i, w in enumerate(workers):
         w.write_shard(parts[i], index=i)
     m = workers[0].commit()  # knows shard 0 only; hashes 1 and 2 from disk
     assert m.rows == 12 and m.shard_names == single.shard_names and m.content_hash == single.content_hash
     assert read_table_artifact(shared).to_pylist() == [r for p in parts for r in p.to_pylist()]
     # a foreign file among the shards is refused at commit time, naming it
-    (shared / "part-00009.parquet").write_text("not parquet")
+    w = ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=False)
+    (w.staging / "part-00009.parquet").write_text("not parquet")
     with pytest.raises(SchemaMismatch, match="(?s)part-00009.parquet.*not a readable Parquet file"):
-        ArtifactWriter(shared, ROLLOUTS, stage="rollout", clean=False).commit()
+        w.commit()
+    assert read_table_artifact(shared).num_rows == 12  # the committed artifact is untouched
 
 
 def test_worker_protocol_commits_once_every_worker_is_done(tmp_path):
@@ -110,8 +113,9 @@ def test_worker_protocol_commits_once_every_worker_is_done(tmp_path):
     single = one.commit()
 
     shared, names = tmp_path / "shared", [shard_name(k) for k in range(4)]
-    shared.mkdir()
-    (shared / shard_name(7)).write_text("a shard of an older run")  # removed by prepare_worker
+    staging = staging_path(shared, shared=True)
+    staging.mkdir()
+    (staging / shard_name(7)).write_text("a shard of an older run")  # removed by prepare_worker
     writers = [ArtifactWriter(shared, ROLLOUTS, stage="rollout", cache_key="k" * 64, clean=False)
                for _ in range(2)]
     mine = {0: [0, 2], 1: [1, 3]}  # worker i writes the shards k with k % 2 == i
@@ -130,3 +134,4 @@ def test_worker_protocol_commits_once_every_worker_is_done(tmp_path):
     assert final == results[0] and final.extra == {}  # commit() as the worker passed it
     assert final.shard_names == names and final.content_hash == single.content_hash
     assert sorted(p.name for p in shared.iterdir()) == sorted([*names, MANIFEST_NAME])  # markers gone
+    assert not staging.exists()

@@ -1,7 +1,9 @@
 """Reading validates every shard: errors name the file and the column; validate_artifact finds
 modified and stray shards."""
 
+import json
 import shutil
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,12 +17,19 @@ from rlpipe.schemas import (
     ArtifactWriter,
     SchemaMismatch,
     iter_shards,
+    read_shard,
     read_table_artifact,
     scan_artifact,
     validate_artifact,
     write_table_artifact,
 )
+from rlpipe.schemas.atomic import sha256_file
+from rlpipe.schemas.errors import IntegrityError
 from rlpipe.schemas.examples import example_table
+from rlpipe.schemas.manifest import FileInfo, content_hash
+from rlpipe.schemas.reading import read_manifest
+from rlpipe.schemas.verify import known_hash
+from rlpipe.schemas.writer import write_manifest
 
 
 @pytest.fixture
@@ -34,9 +43,19 @@ def rollouts(tmp_path):
 
 
 def _replace_shard(path, table):
-    """Overwrite shard 1 behind the manifest's back (what a buggy or foreign writer would do)."""
+    """Overwrite shard 1 and its manifest entry (what a buggy or foreign writer would do): the
+    hashes agree, so what stops the read is the schema check."""
     pq.write_table(table, path / "part-00001.parquet")
-    return path / "part-00001.parquet"
+    return _rehash(path / "part-00001.parquet")
+
+
+def _rehash(shard):
+    """Make the manifest agree with the shard's new bytes (sha256, size, content hash)."""
+    manifest = read_manifest(shard.parent)
+    files = [f.model_copy(update={"bytes": shard.stat().st_size, "sha256": sha256_file(shard)})
+             if f.name == shard.name else f for f in manifest.files]
+    write_manifest(shard.parent, manifest.model_copy(update={"files": files, "content_hash": content_hash(files)}))
+    return shard
 
 
 def test_missing_column_names_file_and_column(rollouts):
@@ -84,6 +103,7 @@ def test_unexpected_column_and_nulls_are_reported(rollouts):
 def test_foreign_csv_file(rollouts):
     shard = rollouts / "part-00001.parquet"
     shard.write_text("run,iteration\nx,1\n")
+    _rehash(shard)
     with pytest.raises(SchemaMismatch) as e:
         read_table_artifact(rollouts)
     assert e.value.path == shard and str(shard) in str(e.value)
@@ -91,7 +111,6 @@ def test_foreign_csv_file(rollouts):
     with pytest.raises(SchemaMismatch, match="not a readable Parquet file"):
         scan_artifact(rollouts)
     problems = validate_artifact(rollouts)
-    assert any(str(shard) in p and "sha256" in p for p in problems)
     assert any(str(shard) in p and "not a readable Parquet file" in p for p in problems)
 
 
@@ -99,6 +118,7 @@ def test_shard_of_another_schema(rollouts, tmp_path):
     write_table_artifact(tmp_path / "scores", SCORES, example_table(SCORES, 4), stage="test")
     shard = rollouts / "part-00001.parquet"
     shutil.copy(tmp_path / "scores" / "part-00000.parquet", shard)
+    _rehash(shard)
     with pytest.raises(SchemaMismatch) as e:
         read_table_artifact(rollouts)
     msg = str(e.value)
@@ -160,4 +180,62 @@ def test_writer_rejects_bad_tables(tmp_path):
     bad["response"][2] = None
     with pytest.raises(SchemaMismatch, match="column 'response' is not nullable but has 1 null"):
         w.write_shard(bad, 0)
-    assert not list((tmp_path / "r").iterdir())  # nothing was written
+    assert not (tmp_path / "r").exists() and not list(w.staging.iterdir())  # nothing was written
+
+
+# -- verified reads: every read checks what the manifest promises -----------------------------
+def test_a_shard_rewritten_after_its_manifest_stops_every_reader(rollouts):
+    """Valid rows of the right schema, other content, manifest untouched: the sha256 catches it
+    (the schema check alone would have read the tampered rows)."""
+    shard = rollouts / "part-00001.parquet"
+    before = read_table_artifact(rollouts)  # verified once: the process remembers the hash
+    pq.write_table(example_table(ROLLOUTS, 4, seed=99), shard)
+    for read in (read_table_artifact, scan_artifact, lambda p: list(iter_shards(p))):
+        with pytest.raises(IntegrityError, match=f"{shard}: content differs from {rollouts / '_manifest.json'}"):
+            read(rollouts)
+    with pytest.raises(IntegrityError, match=str(shard)):
+        read_shard(shard, ROLLOUTS)  # a lone shard is checked against the manifest beside it
+    assert before.num_rows == 8
+
+
+def test_the_hash_memo_never_hides_a_change(rollouts):
+    """A file verified once is not hashed again while its stat is unchanged, and only once its
+    last change is older than the racy window; a same-size bit flip changes ctime and is caught."""
+    shard = rollouts / "part-00000.parquet"
+    read_table_artifact(rollouts)
+    assert known_hash(shard) is None  # written just now: racily clean, not remembered
+    time.sleep(1.1)  # past the racy window (1 s)
+    read_table_artifact(rollouts)
+    assert known_hash(shard) == sha256_file(shard)  # remembered: the next read skips the hash
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    with open(shard, "r+b") as f:  # same inode, same size
+        f.write(bytes(data))
+    assert known_hash(shard) is None
+    with pytest.raises(IntegrityError, match=str(shard)):
+        read_table_artifact(rollouts)
+
+
+def test_an_edited_manifest_and_a_stray_listed_row_count_are_refused(rollouts):
+    mpath = rollouts / "_manifest.json"
+    m = json.loads(mpath.read_text())
+    m["files"][0]["sha256"] = "0" * 64  # content_hash no longer matches the file list
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(IntegrityError, match=f"{mpath}: content_hash does not match its file list"):
+        read_table_artifact(rollouts)
+    # a consistent manifest whose row count lies
+    m = json.loads(mpath.read_text())
+    m["files"][0]["sha256"] = sha256_file(rollouts / "part-00000.parquet")
+    m["files"][0]["rows"] = 5
+    files = [FileInfo(**f) for f in m["files"]]
+    m["content_hash"] = content_hash(files)
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(IntegrityError, match=r"part-00000.parquet: 4 rows, its manifest says 5"):
+        read_table_artifact(rollouts)
+
+
+def test_a_shard_dropped_into_a_complete_artifact_is_refused(rollouts):
+    stray = rollouts / "part-00009.parquet"
+    shutil.copy(rollouts / "part-00000.parquet", stray)
+    with pytest.raises(IntegrityError, match=f"{stray}: not listed in"):
+        read_shard(stray, ROLLOUTS)

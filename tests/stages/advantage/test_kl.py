@@ -43,17 +43,18 @@ def test_abs_and_k3_plus_golden():
 
 def test_k3_plus_has_k3_value_and_k2_gradient():
     # Autograd check on lr spanning both signs and a large negative value, where the gradients of
-    # k3 (1 - exp(-lr): -147.4 at lr = -5) and k2 (lr: -5) differ most.
+    # k3 (1 - exp(-lr): -147.4 at lr = -5) and k2 (lr: -5) differ most. Unclamped: the default
+    # clamp cuts k3 at 10 (lr = -5 gives 142) and with it the gradient there.
     lr = torch.tensor([-5.0, -0.5, 0.0, 0.1, 2.0], dtype=torch.float64)
     ref = torch.tensor([-1.0, -2.0, -0.5, -3.0, -4.0], dtype=torch.float64)
     grads = {}
     for name in ("k2", "k3", "k3+"):
         logp = (ref + lr).requires_grad_(True)
-        value = kl(name, logp, ref)
+        value = kl(name, logp, ref, clamp=False)
         value.sum().backward()
         grads[name] = logp.grad
         if name == "k3+":
-            torch.testing.assert_close(value.detach(), kl("k3", ref + lr, ref), atol=0, rtol=0)
+            torch.testing.assert_close(value.detach(), kl("k3", ref + lr, ref, clamp=False), atol=0, rtol=0)
     torch.testing.assert_close(grads["k3+"], grads["k2"], atol=0, rtol=0)
     torch.testing.assert_close(grads["k2"], lr)  # d/dlogp 0.5 lr^2 = lr
     torch.testing.assert_close(grads["k3"], 1 - torch.exp(-lr))  # k3's own gradient differs
@@ -102,3 +103,13 @@ def test_adaptive_kl_controller_golden_steps():
         adaptive_kl_beta(0.1, 0.1, target=None, n_steps=1)
     with pytest.raises(ValueError, match="unknown KL controller"):
         next_kl_beta("pid", 0.1, 0.1)
+
+
+def test_k3_plus_value_is_clamped_like_k3_and_keeps_k2_gradient():
+    # lr = -5: k3 = e^5 - 6 = 142.4, clamped to K3_VALUE_BOUND = 10; the gradient stays k2's (lr).
+    ref = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    logp = (ref + torch.tensor([-5.0, 0.1], dtype=torch.float64)).requires_grad_(True)
+    value = kl("k3+", logp, ref)
+    value.sum().backward()
+    torch.testing.assert_close(value.detach(), torch.tensor([10.0, math.exp(-0.1) - 1 + 0.1], dtype=torch.float64))
+    torch.testing.assert_close(logp.grad, torch.tensor([-5.0, 0.1], dtype=torch.float64))

@@ -11,6 +11,7 @@ import yaml
 
 from rlpipe.schemas import exists, read_manifest, read_table_artifact, validate_artifact
 from rlpipe.schemas.config import ConfigError, parse_config, union_tags
+from rlpipe.schemas.staging import staging_path
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.reward_model.modeling import score_texts
 from rlpipe.stages.score import run as score_run
@@ -128,18 +129,22 @@ def test_bad_user_function_writes_nothing(arith_rollouts, tmp_path, function, me
     assert not exists(out)
 
 
-def test_failed_run_is_cleaned_by_the_next(arith_rollouts, tmp_path):
+def test_a_failed_rerun_leaves_the_old_artifact_whole(arith_rollouts, tmp_path):
     out = tmp_path / "scores"
     ok = [{"name": "fmt", "type": "regex_format", "pattern": "."}]
-    run(_config(arith_rollouts, out, ok))
+    first = run(_config(arith_rollouts, out, ok))
     # row 20 (the only 'Q: 6+0= A:') is in the last of 4 shards: shards 0-2 get written first
     bad = ok + [{"name": "bad", "type": "python", "function": "user_rewards:nan_for_prompt",
                  "kwargs": {"prompt": "Q: 6+0= A:"}}]
     with pytest.raises(ScoreError, match=r"part-00003.parquet, row 2 \(group_id=10, sample_index=0\)"):
         run(_config(arith_rollouts, out, bad))
-    assert not exists(out)  # the earlier complete artifact stopped existing at once
-    assert sorted(p.name for p in out.glob("part-*")) == [f"part-0000{i}.parquet" for i in range(3)]
-    manifest = run(_config(arith_rollouts, out, ok))
+    # the earlier complete artifact is whole; the failed run's shards stayed in its staging
+    assert read_manifest(out).content_hash == first.content_hash and validate_artifact(out) == []
+    staging = staging_path(out)
+    assert sorted(p.name for p in staging.glob("part-*")) == [f"part-0000{i}.parquet" for i in range(3)]
+    assert run(_config(arith_rollouts, out, ok)) == first  # still a cache hit
+    manifest = run(_config(arith_rollouts, out, ok), force=True)
+    assert not staging.exists()
     assert validate_artifact(out) == []
     assert manifest.content_hash == run(_config(arith_rollouts, tmp_path / "fresh", ok)).content_hash
 
