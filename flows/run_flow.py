@@ -3,7 +3,9 @@
 Thin wrappers: the pipeline (`rlpipe.pipelines.runner.Pipeline`) decides what runs; here every
 stage call becomes a Prefect task (retried where a retry can help), tasks pass configs and
 manifests (paths and hashes, never tensors), and every iteration publishes a markdown table as a
-Prefect artifact. Stages run in this process, so models stay warm between iterations.
+Prefect artifact. Stages run through the preset's launcher (`rlpipe.cluster.launchers`): in this
+process by default, so models stay warm between iterations; a launched stage that fails fails its
+task with the exit code and the tail of its log.
 
 By default the flow runs on Prefect's temporary local API; with `PREFECT_API_URL` set it runs
 under that server (and its UI shows the tasks and the per-iteration tables).
@@ -16,16 +18,18 @@ from rlpipe.flows.settings import configure
 configure()
 
 import re  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.cache_policies import NONE  # noqa: E402
 
+from rlpipe.cluster.launchers import Launcher, launcher_for, run_in_process  # noqa: E402
+from rlpipe.pipelines.plan import StageCall  # noqa: E402
 from rlpipe.pipelines.preset import Preset  # noqa: E402
-from rlpipe.pipelines.runner import IterationRecord, Pipeline, run_stage  # noqa: E402
+from rlpipe.pipelines.runner import IterationRecord, Pipeline  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
-from rlpipe.schemas.config import StageConfig  # noqa: E402
 from rlpipe.schemas.errors import UserError  # noqa: E402
 from rlpipe.schemas.runs import iteration_dir_name  # noqa: E402
 from rlpipe.stages import get_stage  # noqa: E402
@@ -44,17 +48,19 @@ def _transient(task, task_run, state) -> bool:
 
 
 @task(cache_policy=NONE, persist_result=False, retry_condition_fn=_transient)
-def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
-    """Run one stage in this process; skipped by the stage itself when its cache key matches."""
-    return run_stage(name, config, force=force)
+def stage_task(call: StageCall, launcher: Launcher = run_in_process, force: bool = False) -> Manifest:
+    """Run one stage call through `launcher` (default: in this process); skipped by the stage
+    itself when its cache key matches."""
+    return launcher(call, force=force)
 
 
-def _call(name: str, config: StageConfig) -> Manifest:
+def _call(call: StageCall, launcher: Launcher = run_in_process) -> Manifest:
     # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes. Retries come from
     # the registry: only stages whose failures can be transient (engines, workers) are retried.
-    output = next(iter(config.outputs().values()), None)
-    task_name = f"{name}[{Path(output).parent.name}]" if output is not None else name
-    return stage_task.with_options(name=task_name, retries=get_stage(name).retries, retry_delay_seconds=2)(name, config)
+    output = next(iter(call.config.outputs().values()), None)
+    task_name = f"{call.name}[{Path(output).parent.name}]" if output is not None else call.name
+    return stage_task.with_options(name=task_name, retries=get_stage(call.name).retries,
+                                   retry_delay_seconds=2)(call, launcher)
 
 
 def _publish(run: str, record: IterationRecord) -> None:
@@ -72,7 +78,8 @@ def _publish(run: str, record: IterationRecord) -> None:
 @flow(name="rlpipe-run", log_prints=True)
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
-    pipeline = Pipeline(preset, run_dir, call=_call, log=get_run_logger().info)
+    pipeline = Pipeline(preset, run_dir, call=partial(_call, launcher=launcher_for(preset.launch)),
+                        log=get_run_logger().info)
     pipeline.on_iteration = lambda record: _publish(pipeline.layout.name, record)
     pipeline.run()
     return str(pipeline.layout.root)
@@ -83,6 +90,6 @@ def stage_flow(name: str, config: dict, force: bool = False) -> dict:
     """Run one stage on saved artifacts (config as the stage's YAML would give it)."""
     from rlpipe.pipelines.plan import stage_config
 
-    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(
-        name, stage_config(name, config, "flow parameter"), force=force)
+    call = StageCall(name, stage_config(name, config, "flow parameter"), Path.cwd())
+    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(call, force=force)
     return {"stage": name, "content_hash": manifest.content_hash, "rows": manifest.rows}

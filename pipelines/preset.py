@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlpipe.cluster.placement import Launch
 from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -99,6 +100,9 @@ class Preset(_Spec):
     """Knobs of the optimize stage (loss, lr, epochs, kl_beta, zero_stage, ...)."""
     evaluate: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the evaluate stage."""
+    launch: Launch = Launch()
+    """Where stages run: the launcher and per-stage processes, nodes and GPUs
+    (`rlpipe.cluster.placement`); never changes the artifacts."""
 
     def fragment(self, stage: str) -> dict[str, Any] | None:
         """The preset's knobs for `stage` (None: the preset skips that optional stage)."""

@@ -7,6 +7,11 @@ The one place for the forward passes that come before advantages (ALGORITHMS.md 
   before emitting token t), read with `gather_positions`.
 Reads a rollouts artifact and writes a `reference` artifact, one shard per rollouts shard with the
 same index and row order. Models come from the in-process cache (`load_model`).
+
+Scale-out (as the score stage): worker i of N (worker_index=i, worker_count=N) computes the
+rollouts shards k with k % N == i into the shared output directory; the worker that finds every
+worker done and every shard present writes the manifest. Batches never cross a shard, so a
+shard's bytes do not depend on which worker wrote it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from rlpipe.schemas import (
     Manifest,
     cache_key,
     cached_manifest,
-    iter_shards,
     read_manifest,
+    read_shard,
 )
 from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
 from rlpipe.stages.common.models import checkpoint_key, load_model
@@ -87,16 +92,21 @@ def run(config: ReferenceConfig, *, force: bool = False) -> Manifest:
     for role, path in (("reference_model", config.reference_model), ("critic", config.critic)):
         if path is not None:
             inputs[role] = InputRef(path=str(path), content_hash=checkpoint_key(path))
-    key = cache_key("reference", config.resolved(), {r: i.content_hash for r, i in inputs.items()})
+    key = cache_key("reference", config.work_key(), {r: i.content_hash for r, i in inputs.items()})
     if not force and (hit := cached_manifest(config.output, key)) is not None:
         return hit
 
     device = _device(config.device)
     ref = _load(config.reference_model, "causal", device) if config.reference_model else None
     critic = _load(config.critic, "critic", device) if config.critic else None
-    writer = ArtifactWriter(config.output, REFERENCE, stage="reference", config=config.resolved(),
-                            inputs=inputs, cache_key=key)
-    shards = list(iter_shards(config.rollouts, ROLLOUTS, columns=COLUMNS))
+    writer = ArtifactWriter(config.output, REFERENCE, stage="reference", config=config.work_key(),
+                            inputs=inputs, cache_key=key, clean=config.worker_index is None)
+    names = read_manifest(config.rollouts).shard_names
+    mine = [n for n in names if config.worker_index is None
+            or shard_index(Path(n)) % config.worker_count == config.worker_index]
+    if config.worker_index is not None:
+        writer.prepare_worker(config.worker_index, config.worker_count, others=set(names) - set(mine))
+    shards = [(config.rollouts / n, read_shard(config.rollouts / n, ROLLOUTS, columns=COLUMNS)) for n in mine]
     rows = tokens = 0
     for path, table in _progress(shards, "reference"):
         prompts = table.column("prompt_token_ids").to_pylist()
@@ -115,9 +125,13 @@ def run(config: ReferenceConfig, *, force: bool = False) -> Manifest:
         writer.write_shard(out, index=shard_index(path))
         rows += table.num_rows
         tokens += sum(len(r) for r in responses)
-    extra = {"rows": rows, "response_tokens": tokens, "device": str(device),
-             "ref_logprobs": ref is not None, "values": critic is not None}
-    return writer.commit(extra=extra, wall_time_s=time.time() - started)
+    extra = {"device": str(device), "ref_logprobs": ref is not None, "values": critic is not None}
+    if config.worker_index is None:
+        return writer.commit(extra={"rows": rows, "response_tokens": tokens, **extra},
+                             wall_time_s=time.time() - started)
+    return writer.finish_worker(config.worker_index, config.worker_count, expected=names,
+                                commit=lambda: writer.commit(extra=extra, wall_time_s=time.time() - started),
+                                extra={"rows": rows, "response_tokens": tokens, **extra})
 
 
 def _progress(items: list, label: str):
