@@ -5,6 +5,7 @@
     rlpipe inspect PATH         summarise a table artifact, a checkpoint or a whole run directory
     rlpipe stage NAME [ARGS]    run one stage on saved artifacts (`rlpipe stage NAME --help`)
     rlpipe run [PRESET] [k=v]   run a pipeline preset end to end (no PRESET: the built-in demo)
+    rlpipe submit slurm|k8s PRESET [k=v]   a whole run as one Slurm allocation / Kubernetes Jobs
 
 Each command is one function on the module-level `app`; adding a command is adding a function.
 Start-up stays light: pyarrow, polars and torch are imported inside the commands that use them.
@@ -176,6 +177,57 @@ def run(
         if debug:
             raise
         raise _fail(str(e), 2) from None
+
+
+submit_app = typer.Typer(help="Submit a whole run to a cluster: one Slurm allocation, or Kubernetes Jobs.",
+                         no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(submit_app, name="submit")
+
+
+@submit_app.command("slurm", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def submit_slurm(
+    ctx: typer.Context,
+    preset: Annotated[str, typer.Argument(help="Built-in preset name or a YAML file; its `launch` section places the stages.")],
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Nodes of the allocation; the driver runs on the first.")] = 1,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory on a shared filesystem (default runs/<preset name>).")] = None,
+    time: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "01:00:00",
+    partition: Annotated[str | None, typer.Option("--partition")] = None,
+    account: Annotated[str | None, typer.Option("--account")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for the run to end (sbatch --wait); exit with its code.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the sbatch script instead of submitting it.")] = False,
+) -> None:
+    """One allocation for a whole run: the driver (`rlpipe run ... --local`, launcher slurm) runs
+    in the batch step on the first node, every stage the preset places runs as an srun step.
+
+    Extra `key=value` arguments override preset keys (e.g. `launch.rollout.workers=4`).
+    """
+    import subprocess
+
+    from rlpipe.cluster.submit import render_run_slurm, write_run_preset
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.schemas.errors import UserError
+
+    try:
+        spec = load_preset(preset, list(ctx.args))
+        where = run_dir or Path("runs") / spec.name
+        script_text = render_run_slurm(spec, write_run_preset(spec, where, "slurm"), where, nodes=nodes,
+                                       time=time, partition=partition, account=account)
+    except (UserError, ValueError) as e:
+        raise _fail(str(e), 2) from None
+    script = where.absolute() / "submit" / "run.sbatch"
+    script.write_text(script_text)
+    if dry_run:
+        _console().print(script_text, markup=False, end="")
+        return
+    done = subprocess.run(["sbatch", "--parsable", *(["--wait"] if wait else []), str(script)],
+                          capture_output=True, text=True)
+    job = done.stdout.strip().split(";")[0]
+    log = where.absolute() / "logs" / f"driver-{job}.out"
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if job and log.is_file() else ""
+        raise _fail(f"sbatch {script} failed (exit code {done.returncode}): {done.stderr.strip()}"
+                    + (f"\nlast lines of {log}:\n{tail}" if tail else ""), 1)
+    _console().print(f"{'finished' if wait else 'submitted'} job {job}: driver log {log}", markup=False)
 
 
 def _quiet_libraries() -> None:
