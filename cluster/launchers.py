@@ -160,7 +160,7 @@ def loopback_interface() -> str:
     return next((n for n in names if n in ("lo", "lo0")), names[0] if names else "lo")
 
 
-class _Placed:
+class PlacedLauncher:
     """A launcher for placed stages; unplaced stages run in the driver's process."""
 
     def __init__(self, launch: Launch):
@@ -249,7 +249,7 @@ def _stop(popens: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
-class ProcessLauncher(_Placed):
+class ProcessLauncher(PlacedLauncher):
     """Placed stages as processes on this machine (`local_processes`)."""
 
     def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
@@ -285,11 +285,11 @@ def srun_command(call: StageCall, p: StagePlacement, force: bool, log: Path, *,
     if p.nodes > allocation_nodes:
         raise ValueError(f"launch.{call.name}: nodes={p.nodes}, but the allocation has {allocation_nodes}")
     return ["srun", f"--job-name=rlpipe-{call.name}", *shape, f"--cpus-per-task={p.cpus_per_task}", *gpus,
-            "--kill-on-bad-exit=1", f"--output={log}", "bash", "-c", _SRUN_TASK[scaling], call.name,
+            "--kill-on-bad-exit=1", f"--output={log}", "--open-mode=append", "bash", "-c", _SRUN_TASK[scaling], call.name,
             python, *stage_argv(call, force)]
 
 
-class SlurmLauncher(_Placed):
+class SlurmLauncher(PlacedLauncher):
     """Placed stages as srun steps of the allocation the driver runs in (`rlpipe submit slurm`)."""
 
     def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
@@ -303,12 +303,11 @@ class SlurmLauncher(_Placed):
         env = process_env(p, loopback=nodes == 1)
         env["MASTER_PORT"] = str(free_port("0.0.0.0" if nodes > 1 else LOOPBACK))
         cmd = srun_command(call, p, force, log, allocation_nodes=nodes)
-        code = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+        with open(log, "wb") as out:  # srun's own messages; the tasks append theirs (--open-mode)
+            out.write(f"[rlpipe] {shlex.join(cmd)}\n".encode())
+            out.flush()
+            code = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         if code.returncode != 0:
-            if code.stderr:
-                with open(log, "a") as f:
-                    f.write(f"\n[srun] {shlex.join(cmd)}\n{code.stderr}")
             raise StageLaunchError(call.name, code.returncode, log)
         return log
 

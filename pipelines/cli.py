@@ -230,6 +230,36 @@ def submit_slurm(
     _console().print(f"{'finished' if wait else 'submitted'} job {job}: driver log {log}", markup=False)
 
 
+@submit_app.command("k8s", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def submit_k8s(
+    ctx: typer.Context,
+    preset: Annotated[str, typer.Argument(help="Built-in preset name or a YAML file; its `launch` section places the stages.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for driver.yaml and stages/*.yaml.")] = Path("k8s"),
+    apply: Annotated[bool, typer.Option("--apply", help="kubectl apply -f <out>/driver.yaml after rendering.")] = False,
+) -> None:
+    """Render a whole run for Kubernetes: the driver Job with its RBAC (and the preset as a
+    ConfigMap) in driver.yaml, and the Jobs the driver will create for the placed stages of the
+    first iteration in stages/ (for review). Image, namespace and volume: `launch.kubernetes.*`.
+    """
+    import subprocess
+
+    from rlpipe.cluster.kubernetes import render_run
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.schemas.errors import UserError
+
+    try:
+        written = render_run(load_preset(preset, list(ctx.args)), out)
+    except (UserError, ValueError) as e:
+        raise _fail(str(e), 2) from None
+    for path in written:
+        _console().print(str(path), markup=False)
+    if apply:
+        done = subprocess.run(["kubectl", "apply", "-f", str(written[0])], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise _fail(f"kubectl apply -f {written[0]} failed: {done.stderr.strip()}", 1)
+        _console().print(done.stdout.strip(), markup=False)
+
+
 def _quiet_libraries() -> None:
     """Silence per-load progress bars and info logs that would drown the run's own display."""
     import os

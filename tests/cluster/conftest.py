@@ -9,13 +9,14 @@ import pytest
 import yaml
 from conftest import MINI
 
-#: MINI with a reference model (so the reference stage runs), micro-batches of 8 (so 2 ranks each
+#: MINI with rollouts in 2 shards, a reference model (so the reference stage runs), micro-batches of 8 (so 2 ranks each
 #: get one of the 16 rows' minibatch), and a format reward that varies within groups (MINI's
 #: exact-match reward is 0 everywhere after 5 SFT steps, and zero advantages would leave the
 #: policy where it started: a policy comparison that could not fail).
 LAUNCHED = {
     **MINI,
     "eval_every": 0,
+    "rollout": {**MINI["rollout"], "groups_per_shard": 2},  # 2 shards: each of 2 workers writes one
     "model": {"reference": True},
     "optimize": {**MINI["optimize"], "micro_batch_size": 8},
     "score": {"components": [*MINI["score"]["components"],
@@ -83,3 +84,26 @@ def in_process_run(tmp_path_factory) -> Path:
     run_dir = root / "runs" / "mini"
     Pipeline(load_preset(write_preset(root / "mini.yaml")), run_dir, log=lambda s: None).run()
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real one-node Slurm cluster for the session (`rlpipe.cluster.slurm_local`, as `make
+    slurm-up`): installs slurm-wlm and munge when missing; skips where that cannot be done (not
+    root, no apt-get). Yields the environment for sbatch / srun (SLURM_CONF)."""
+    import shutil
+    import tempfile
+
+    from rlpipe.cluster import slurm_local
+
+    state = Path(tempfile.mkdtemp(prefix="rlpipe-slurm-"))  # tmp_path is 0700: munged refuses it
+    try:
+        env = slurm_local.up(state)
+    except slurm_local.SlurmUnavailable as e:
+        shutil.rmtree(state, ignore_errors=True)
+        pytest.skip(str(e))
+    try:
+        yield env
+    finally:
+        slurm_local.down(state)
+        shutil.rmtree(state, ignore_errors=True)
