@@ -66,8 +66,14 @@ class Launcher(Protocol):
 
 
 def run_in_process(call: StageCall, *, force: bool = False) -> Manifest:
-    """The local launcher: the stage runs in this process."""
+    """The local launcher: the stage runs in this process. Before a training stage ('ranks'
+    scaling) a vLLM engine a rollout left in this process is torn down, so that optimize gets the
+    GPUs' memory (the next rollout starts an engine on the new checkpoint)."""
     from rlpipe.pipelines.runner import run_stage
+
+    engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
+    if engine is not None and get_stage(call.name).scaling == "ranks":
+        engine.release()
 
     return run_stage(call.name, call.config, force=force)
 
