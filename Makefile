@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-installed
 
-.PHONY: setup dev demo test test-fast lint bench clean vllm-env chromium
+.PHONY: setup dev demo test test-fast lint bench clean vllm-env chromium slurm-up slurm-down
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,18 @@ test: setup vllm-env
 ## test-fast: skip the tests marked slow, integration (end to end, multi-rank) and gpu
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not integration and not gpu"
+
+# A real one-node Slurm cluster on this machine (cluster/slurm_local.py): installs Debian's
+# slurm-wlm and munge when missing (as root), all state under $(SLURM_STATE).
+SLURM_STATE ?= /tmp/rlpipe-slurm
+
+## slurm-up: start a one-node Slurm cluster; then `export SLURM_CONF=$(SLURM_STATE)/slurm.conf`
+slurm-up: setup
+	$(PY) -m rlpipe.cluster.slurm_local up --state $(SLURM_STATE)
+
+## slurm-down: stop it
+slurm-down: setup
+	$(PY) -m rlpipe.cluster.slurm_local down --state $(SLURM_STATE)
 
 lint: setup
 	$(VENV)/bin/ruff check schemas stages pipelines flows cluster tests benchmarks

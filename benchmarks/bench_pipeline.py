@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from rlpipe.pipelines.cli import _quiet_libraries
     from rlpipe.pipelines.preset import load_preset
-    from rlpipe.pipelines.runner import Pipeline, run_stage
+    from rlpipe.pipelines.runner import Pipeline
     from rlpipe.schemas import iteration_dir_name
 
     _quiet_libraries()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         rf.Pipeline = Recording
         rf.run_flow(preset, str(run_dir))
     else:
-        records = Pipeline(preset, run_dir, call=run_stage, log=lambda s: None).run()
+        records = Pipeline(preset, run_dir, log=lambda s: None).run()
 
     stages = ["rollout", "score", "advantage", "optimize", "evaluate"]
     print(f"\npreset {preset.name}, {'Prefect flow' if args.prefect else 'local runner'}, "

@@ -39,7 +39,9 @@ def stage_command(stage: str, args: Sequence[str] = (), *, nproc_per_node: int =
     """
     if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"bad topology: nnodes={nnodes} node_rank={node_rank} nproc_per_node={nproc_per_node}")
-    module = f"rlpipe.stages.{stage}"
+    from rlpipe.cluster.submit import module_for
+
+    module = module_for(stage)  # the registry's module (or the smoke test's)
     if launcher == "torchrun":
         return ["torchrun", "--nproc_per_node", str(nproc_per_node), "--nnodes", str(nnodes),
                 "--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(master_port),

@@ -1,5 +1,6 @@
 """Render, and optionally submit, a Slurm batch script or a Kubernetes Job that runs one stage on
-N nodes x M ranks per node.
+N nodes x M ranks per node; and (`render_run_slurm`, `rlpipe submit slurm PRESET`) a whole run as
+one allocation whose first node runs the driver and whose placed stages run as srun steps.
 
     python -m rlpipe.cluster.submit slurm --stage optimize --config cfg.yaml --nodes 2 --gpus-per-node 8
     python -m rlpipe.cluster.submit k8s --stage optimize --config /runs/cfg.yaml --nodes 2 \
@@ -154,6 +155,53 @@ def render_k8s(spec: JobSpec) -> str:
         namespace=spec.namespace, master_port=spec.master_port, backoff_limit=spec.backoff_limit,
         image=spec.image, workdir=spec.workdir, module=module_for(spec.stage), args=shlex.join(spec.args),
         env=env, limits=limits, runs_mount=spec.runs_mount, pvc=spec.pvc,
+    )
+
+
+def write_run_preset(preset, run_dir: Path, launcher: str) -> Path:
+    """The preset a submitted driver runs: `preset` with `launch.launcher` set, validated and
+    written to <run_dir>/submit/preset.yaml (a path every node reads on the shared filesystem)."""
+    import yaml
+
+    data = preset.model_dump(mode="json")
+    data["launch"] = {**data["launch"], "launcher": launcher}
+    path = run_dir.absolute() / "submit" / "preset.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def allocation_shape(launch, nodes: int) -> tuple[int, int, int]:
+    """(tasks per node, CPUs per task, GPUs per node) an allocation of `nodes` nodes needs so that
+    every placed stage's srun step fits (steps run one after another)."""
+    from math import ceil
+
+    tasks, cpus, gpus = 1, 1, 0
+    for name, p in launch.stages.items():
+        if p.nodes > nodes:
+            raise ValueError(f"launch.{name}: nodes={p.nodes}, but the allocation has --nodes {nodes}")
+        per_node = p.ranks_per_node if p.nodes * p.ranks_per_node > 1 else ceil(p.workers / nodes)
+        tasks, cpus = max(tasks, per_node), max(cpus, p.cpus_per_task)
+        gpus = max(gpus, p.gpus_per_node, p.gpus_per_worker * ceil(p.workers / nodes))
+    return tasks, cpus, gpus
+
+
+def render_run_slurm(preset, preset_file: Path, run_dir: Path, *, nodes: int = 1, time: str = "01:00:00",
+                     partition: str | None = None, account: str | None = None, python: str = sys.executable,
+                     workdir: str | None = None, job_name: str | None = None) -> str:
+    """The sbatch script of a whole run (`cluster/slurm/run.sbatch`): the driver runs
+    `rlpipe run <preset_file> --local --run-dir <run_dir>` in the batch step."""
+    tasks, cpus, gpus = allocation_shape(preset.launch, nodes)
+    extra = [f"#SBATCH --gpus-per-node={gpus}"] if gpus else []
+    extra += [f"#SBATCH --partition={partition}"] if partition else []
+    extra += [f"#SBATCH --account={account}"] if account else []
+    logs = run_dir.absolute() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return _template("slurm/run.sbatch").substitute(
+        preset_name=preset.name, job_name=job_name or f"rlpipe-{preset.name}", nodes=nodes,
+        tasks_per_node=tasks, cpus_per_task=cpus, time=time, log_dir=logs, sbatch_extra="\n".join(extra),
+        workdir=shlex.quote(workdir or os.getcwd()), python=shlex.quote(python),
+        preset_file=shlex.quote(str(preset_file)), run_dir=shlex.quote(str(run_dir.absolute())),
     )
 
 

@@ -2,8 +2,9 @@
 
 Thin wrappers: the pipeline (`rlpipe.pipelines.runner.Pipeline`) decides what runs; here every
 stage call becomes a Prefect task (retried where a retry can help), tasks pass configs and
-manifests (paths and hashes, never tensors). Stages run in this process, so models stay warm
-between iterations. What the Prefect UI shows of a run:
+manifests (paths and hashes, never tensors). Stages run through the preset's launcher
+(`rlpipe.cluster.launchers`): in this process by default, so models stay warm between
+iterations; a launched stage that fails fails its task with the exit code and the tail of its log. What the Prefect UI shows of a run:
 
 - the data flow: each stage task is recorded as depending on the tasks that wrote its inputs
   (within an iteration rollout -> score -> (reference) -> advantage -> optimize -> evaluate; the
@@ -37,12 +38,12 @@ from prefect.cache_policies import NONE  # noqa: E402
 from prefect.states import State  # noqa: E402
 from prefect.utilities.annotations import quote  # noqa: E402
 
-from rlpipe.pipelines.plan import Plan  # noqa: E402
+from rlpipe.cluster.launchers import Launcher, launcher_for, run_in_process  # noqa: E402
+from rlpipe.pipelines.plan import Plan, StageCall  # noqa: E402
 from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
-from rlpipe.pipelines.runner import Pipeline, run_stage  # noqa: E402
+from rlpipe.pipelines.runner import Pipeline  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
-from rlpipe.schemas.config import StageConfig  # noqa: E402
 from rlpipe.schemas.errors import UserError  # noqa: E402
 from rlpipe.schemas.runs import iteration_index  # noqa: E402
 from rlpipe.stages import get_stage  # noqa: E402
@@ -61,9 +62,10 @@ def _transient(task, task_run, state) -> bool:
 
 
 @task(cache_policy=NONE, persist_result=False, retry_condition_fn=_transient)
-def stage_task(name: str, config: StageConfig, force: bool = False) -> Manifest:
-    """Run one stage in this process; skipped by the stage itself when its cache key matches."""
-    return run_stage(name, config, force=force)
+def stage_task(call: StageCall, launcher: Launcher = run_in_process, force: bool = False) -> Manifest:
+    """Run one stage call through `launcher` (default: in this process); skipped by the stage
+    itself when its cache key matches."""
+    return launcher(call, force=force)
 
 
 def artifact_key(text: str) -> str:
@@ -79,11 +81,12 @@ class Upstream:
 
 
 class FlowStages:
-    """The run flow's `call(name, config)`: each stage a Prefect task with the tasks that wrote
-    its inputs passed as `wait_for` (the API records them as its upstream dependencies), and the
-    progress artifact updated after each stage of an iteration."""
+    """The run flow's `call(stage_call)`: each stage a Prefect task, run through `launcher`, with
+    the tasks that wrote its inputs passed as `wait_for` (the API records them as its upstream
+    dependencies), and the progress artifact updated after each stage of an iteration."""
 
-    def __init__(self, plan: Plan, run: str):
+    def __init__(self, plan: Plan, run: str, launcher: Launcher = run_in_process):
+        self.launcher = launcher
         self.iterations = plan.preset.iterations
         # The stages every iteration runs (an evaluation only every few: not counted).
         self.stages = [c.name for c in plan.iteration(0) if c.name != "evaluate"]
@@ -94,18 +97,19 @@ class FlowStages:
         self.progress = create_progress_artifact(0.0, key=artifact_key(f"{run}-progress"),
                                                  description=f"rlpipe {run}: set-up")
 
-    def __call__(self, name: str, config: StageConfig) -> Manifest:
+    def __call__(self, call: StageCall) -> Manifest:
+        name, config = call.name, call.config
         outputs = list(config.outputs().values())
         inputs = set(_paths(config.model_dump())) - set(outputs)
         upstream = [self.written_by[p] for p in sorted(inputs) if p in self.written_by]
         # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
         task_name = f"{name}[{outputs[0].parent.name}]" if outputs else name
-        # name and config quoted: Prefect would otherwise link any object in them that an earlier
-        # task returned (the stage name is the same interned string as the `stage` of every
-        # earlier manifest of that stage: rollout -> rollout across iterations); the data flow
-        # is exactly `upstream`.
+        # The call quoted: Prefect would otherwise link any object in it that an earlier task
+        # returned (the stage name is the same interned string as the `stage` of every earlier
+        # manifest of that stage: rollout -> rollout across iterations); the data flow is exactly
+        # `upstream`. Retries come from the registry: only stages whose failures can be transient.
         state = stage_task.with_options(name=task_name, retries=get_stage(name).retries, retry_delay_seconds=2)(
-            quote(name), quote(config), wait_for=upstream, return_state=True)
+            quote(call), quote(self.launcher), wait_for=upstream, return_state=True)
         manifest = state.result()  # raises the stage's error when it failed
         self.results.append(manifest)
         # wait_for gets the state without the manifest: Prefect walks into what wait_for holds and
@@ -145,7 +149,7 @@ def publish_table(run: str, run_dir: Path) -> None:
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
     pipeline = Pipeline(preset, run_dir, log=get_run_logger().info)
-    pipeline.call = FlowStages(pipeline.plan, pipeline.layout.name)
+    pipeline.call = FlowStages(pipeline.plan, pipeline.layout.name, launcher_for(preset.launch))
     pipeline.on_iteration = lambda record: publish_table(pipeline.layout.name, pipeline.layout.root)
     pipeline.run()
     return str(pipeline.layout.root)
@@ -156,6 +160,6 @@ def stage_flow(name: str, config: dict, force: bool = False) -> dict:
     """Run one stage on saved artifacts (config as the stage's YAML would give it)."""
     from rlpipe.pipelines.plan import stage_config
 
-    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(
-        name, stage_config(name, config, "flow parameter"), force=force)
+    call = StageCall(name, stage_config(name, config, "flow parameter"), Path.cwd())
+    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(call, force=force)
     return {"stage": name, "content_hash": manifest.content_hash, "rows": manifest.rows}

@@ -6,6 +6,7 @@
     rlpipe stage NAME [ARGS]    run one stage on saved artifacts (`rlpipe stage NAME --help`)
     rlpipe run [PRESET] [k=v]   run a pipeline preset end to end (no PRESET: the built-in demo)
     rlpipe data import SRC OUT  import prompts or preference pairs (JSONL, CSV, Parquet, datasets)
+    rlpipe submit slurm|k8s PRESET [k=v]   a whole run as one Slurm allocation / Kubernetes Jobs
 
 Each command is one function on the module-level `app`; adding a command is adding a function.
 Start-up stays light: pyarrow, polars and torch are imported inside the commands that use them.
@@ -233,6 +234,87 @@ def data_import(
     kept_what = "metadata" if kind == "prompts" else "ignored"
     _console().print(f"imported {m.rows} {kind} from {source} into {output} (ids: {extra['ids']}; "
                      f"{kept_what}: {', '.join(kept) or 'none'}; content {m.content_hash[:12]})", markup=False)
+
+
+submit_app = typer.Typer(help="Submit a whole run to a cluster: one Slurm allocation, or Kubernetes Jobs.",
+                         no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(submit_app, name="submit")
+
+
+@submit_app.command("slurm", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def submit_slurm(
+    ctx: typer.Context,
+    preset: Annotated[str, typer.Argument(help="Built-in preset name or a YAML file; its `launch` section places the stages.")],
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Nodes of the allocation; the driver runs on the first.")] = 1,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory on a shared filesystem (default runs/<preset name>).")] = None,
+    time: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "01:00:00",
+    partition: Annotated[str | None, typer.Option("--partition")] = None,
+    account: Annotated[str | None, typer.Option("--account")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for the run to end (sbatch --wait); exit with its code.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the sbatch script instead of submitting it.")] = False,
+) -> None:
+    """One allocation for a whole run: the driver (`rlpipe run ... --local`, launcher slurm) runs
+    in the batch step on the first node, every stage the preset places runs as an srun step.
+
+    Extra `key=value` arguments override preset keys (e.g. `launch.rollout.workers=4`).
+    """
+    import subprocess
+
+    from rlpipe.cluster.submit import render_run_slurm, write_run_preset
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.schemas.errors import UserError
+
+    try:
+        spec = load_preset(preset, list(ctx.args))
+        where = run_dir or Path("runs") / spec.name
+        script_text = render_run_slurm(spec, write_run_preset(spec, where, "slurm"), where, nodes=nodes,
+                                       time=time, partition=partition, account=account)
+    except (UserError, ValueError) as e:
+        raise _fail(str(e), 2) from None
+    script = where.absolute() / "submit" / "run.sbatch"
+    script.write_text(script_text)
+    if dry_run:
+        _console().print(script_text, markup=False, end="")
+        return
+    done = subprocess.run(["sbatch", "--parsable", *(["--wait"] if wait else []), str(script)],
+                          capture_output=True, text=True)
+    job = done.stdout.strip().split(";")[0]
+    log = where.absolute() / "logs" / f"driver-{job}.out"
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if job and log.is_file() else ""
+        raise _fail(f"sbatch {script} failed (exit code {done.returncode}): {done.stderr.strip()}"
+                    + (f"\nlast lines of {log}:\n{tail}" if tail else ""), 1)
+    _console().print(f"{'finished' if wait else 'submitted'} job {job}: driver log {log}", markup=False)
+
+
+@submit_app.command("k8s", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def submit_k8s(
+    ctx: typer.Context,
+    preset: Annotated[str, typer.Argument(help="Built-in preset name or a YAML file; its `launch` section places the stages.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for driver.yaml and stages/*.yaml.")] = Path("k8s"),
+    apply: Annotated[bool, typer.Option("--apply", help="kubectl apply -f <out>/driver.yaml after rendering.")] = False,
+) -> None:
+    """Render a whole run for Kubernetes: the driver Job with its RBAC (and the preset as a
+    ConfigMap) in driver.yaml, and the Jobs the driver will create for the placed stages of the
+    first iteration in stages/ (for review). Image, namespace and volume: `launch.kubernetes.*`.
+    """
+    import subprocess
+
+    from rlpipe.cluster.kubernetes import render_run
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.schemas.errors import UserError
+
+    try:
+        written = render_run(load_preset(preset, list(ctx.args)), out)
+    except (UserError, ValueError) as e:
+        raise _fail(str(e), 2) from None
+    for path in written:
+        _console().print(str(path), markup=False)
+    if apply:
+        done = subprocess.run(["kubectl", "apply", "-f", str(written[0])], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise _fail(f"kubectl apply -f {written[0]} failed: {done.stderr.strip()}", 1)
+        _console().print(done.stdout.strip(), markup=False)
 
 
 def _quiet_libraries() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlpipe.cluster.placement import Launch
 from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -109,6 +110,9 @@ class Preset(_Spec):
     """Knobs of the optimize stage (loss, lr, epochs, kl_beta, zero_stage, ...)."""
     evaluate: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the evaluate stage."""
+    launch: Launch = Launch()
+    """Where stages run: the launcher and per-stage processes, nodes and GPUs
+    (`rlpipe.cluster.placement`); never changes the artifacts."""
     loggers: list[str] = []
     """Metric sinks that get every iteration's summary, the resolved preset and sample
     completions, by name: tensorboard, mlflow, wandb (offline unless WANDB_MODE says otherwise);

@@ -2,8 +2,10 @@
 rollout -> score -> (reference) -> advantage -> optimize, with evaluations on held-out prompts.
 
 It owns the run directory (see `layout.py`); what runs, with which config, is the `Plan`
-(`plan.py`). Stages are called through `call(name, config) -> Manifest`: in-process by default (the local runner: models stay warm in memory between iterations, artifacts stay the only
-hand-off), or wrapped in Prefect tasks by `rlpipe.flows`. Every stage skips itself when an
+(`plan.py`). Stages are called through `call(stage_call) -> Manifest`: by the launcher the
+preset's `launch` section names (`rlpipe.cluster.launchers`; in-process by default, where models
+stay warm in memory between iterations and artifacts stay the only hand-off), or wrapped in
+Prefect tasks by `rlpipe.flows`. Every stage skips itself when an
 artifact with the same cache key exists, so rerunning a crashed run resumes it: finished stages
 are not recomputed, unfinished ones are recomputed from scratch.
 """
@@ -26,14 +28,8 @@ from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import atomic_write_bytes
 from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
 from rlpipe.schemas.runs import iteration_dirs
-from rlpipe.stages import get_stage
 
-StageCallable = Callable[[str, StageConfig], Manifest]
-
-
-def run_stage(name: str, config: StageConfig, *, force: bool = False) -> Manifest:
-    """Run one stage in this process."""
-    return get_stage(name).run(config, force=force)
+StageCallable = Callable[[StageCall], Manifest]
 
 
 @dataclass
@@ -55,17 +51,22 @@ class Pipeline:
     Args:
         preset: the validated preset.
         run_dir: the run directory (default runs/<preset.name>).
-        call: how a stage is run: `run_stage` (in-process) or a Prefect task wrapper.
+        call: how a stage call is run (its saved config file is `call.config_file`); default: the
+            launcher of `preset.launch` (`rlpipe.cluster.launchers.launcher_for`).
         on_iteration: called with each IterationRecord (the flow publishes Prefect artifacts).
         log: where progress lines go.
     """
 
-    def __init__(self, preset: Preset, run_dir: Path | str | None = None, *, call: StageCallable = run_stage,
+    def __init__(self, preset: Preset, run_dir: Path | str | None = None, *, call: StageCallable | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None,
                  log: Callable[[str], None] = print):
         self.preset = preset
         self.layout = RunLayout(Path(run_dir) if run_dir is not None else Path("runs") / preset.name)
         self.plan = Plan(preset, self.layout, str(self.layout.preset_file))
+        if call is None:
+            from rlpipe.cluster.launchers import launcher_for
+
+            call = launcher_for(preset.launch)
         self.call = call
         self.on_iteration = on_iteration
         self.log = log
@@ -77,7 +78,7 @@ class Pipeline:
         <that file>`) and run it through `call`, timing it."""
         _write_if_changed(call.config_file, yaml.safe_dump(_relative_paths(call.config, call.config_dir), sort_keys=False))
         started = time.perf_counter()
-        manifest = self.call(call.name, call.config)
+        manifest = self.call(call)
         self._seconds[call.name] = self._seconds.get(call.name, 0.0) + time.perf_counter() - started
         return manifest
 
@@ -163,7 +164,9 @@ class Pipeline:
 
 
 #: Preset keys that do not change what a run computes: a finished run reruns with new values.
-_NOT_THE_RUN = {"iterations", "loggers", "description"}
+# Preset keys that never change what a run computes: a run extends or resumes under any value of
+# them (where stages run, where metrics go, how many iterations).
+_NOT_THE_RUN = {"iterations", "launch", "loggers", "description"}
 
 
 def _relative_paths(config: StageConfig, folder: Path) -> dict:

@@ -63,7 +63,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     # one RL iteration
     Stage("rollout", "RolloutConfig", "sample G responses per prompt with the policy", scaling="shards", retries=1),
     Stage("score", "ScoreConfig", "reward components and the total reward", scaling="shards", retries=1),
-    Stage("reference", "ReferenceConfig", "reference log-probs and critic values", retries=1),
+    Stage("reference", "ReferenceConfig", "reference log-probs and critic values", scaling="shards", retries=1),
     Stage("filter", "FilterConfig", "dynamic sampling: drop groups by a predicate (all rewards equal), keep N"),
     Stage("advantage", "AdvantageConfig", "advantage estimators (grpo, rloo, gae, ...)"),
     Stage("optimize", "OptimizeConfig", "policy (and critic) optimisation (DeepSpeed)", scaling="ranks"),

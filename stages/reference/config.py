@@ -7,10 +7,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import Input, Output, StageConfig
+from rlpipe.schemas.config import Input, Output
+from rlpipe.schemas.sharded import ShardedConfig
 
 
-class ReferenceConfig(StageConfig):
+class ReferenceConfig(ShardedConfig):
     """Reference stage: rollouts -> per-token reference log-probs and/or critic values."""
 
     rollouts: Annotated[Path, Input("rollouts")]

@@ -7,6 +7,11 @@ The one place for the forward passes that come before advantages (docs/algorithm
   before emitting token t), read with `gather_positions`.
 Reads a rollouts artifact and writes a `reference` artifact, one shard per rollouts shard with the
 same index and row order. Models come from the in-process cache (`load_model`).
+
+Scale-out (as the score stage): worker i of N (worker_index=i, worker_count=N) computes the
+rollouts shards k with k % N == i into the shared output directory; the worker that finds every
+worker done and every shard present writes the manifest. Batches never cross a shard, so a
+shard's bytes do not depend on which worker wrote it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from rlpipe.schemas import (
     ROLLOUTS,
     ArtifactWriter,
     Manifest,
-    iter_shards,
+    read_manifest,
+    read_shard,
 )
 from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
 from rlpipe.stages.common.models import load_model
@@ -81,25 +87,32 @@ def _check_vocab(model, prompts: list[list[int]], responses: list[list[int]], wh
 @opens("reference")
 def run(config: ReferenceConfig, start: StageStart) -> Manifest:
     """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
-    inputs, key = start.inputs, start.key
-    started = start.started
 
     device = _device(config.device)
     ref = _load(config.reference_model, "causal", device) if config.reference_model else None
     critic = _load(config.critic, "critic", device) if config.critic else None
     writer = ArtifactWriter(config.output, REFERENCE, stage="reference", config=config.resolved(),
-                            inputs=inputs, cache_key=key)
-    shards = list(iter_shards(config.rollouts, ROLLOUTS, columns=COLUMNS))
+                            inputs=start.inputs, cache_key=start.key, clean=config.worker_index is None)
+    names = read_manifest(config.rollouts).shard_names
+    mine = [n for n in names if config.worker_index is None
+            or shard_index(Path(n)) % config.worker_count == config.worker_index]
+    if config.worker_index is not None:
+        writer.prepare_worker(config.worker_index, config.worker_count, others=set(names) - set(mine))
+    shards = [(config.rollouts / n, read_shard(config.rollouts / n, ROLLOUTS, columns=COLUMNS)) for n in mine]
     rows = tokens = 0
-    with progress("reference", sum(t.num_rows for _, t in shards)) as advance:
+    with progress(f"reference{config.worker_label()}", sum(t.num_rows for _, t in shards)) as advance:
         for path, table in shards:
             _reference_shard(path, table, ref, critic, writer, config)
             advance(table.num_rows)
             rows += table.num_rows
             tokens += sum(len(r) for r in table.column("response_token_ids").to_pylist())
-    extra = {"rows": rows, "response_tokens": tokens, "device": str(device),
-             "ref_logprobs": ref is not None, "values": critic is not None}
-    return writer.commit(extra=extra, wall_time_s=time.time() - started)
+    extra = {"device": str(device), "ref_logprobs": ref is not None, "values": critic is not None}
+    done = {"rows": rows, "response_tokens": tokens, **extra}
+    if config.worker_index is None:
+        return writer.commit(extra=done, wall_time_s=time.time() - start.started)
+    return writer.finish_worker(config.worker_index, config.worker_count, expected=names,
+                                commit=lambda: writer.commit(extra=extra, wall_time_s=time.time() - start.started),
+                                extra=done)
 
 
 def _reference_shard(path, table, ref, critic, writer: ArtifactWriter, config: ReferenceConfig) -> None:

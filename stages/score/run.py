@@ -69,7 +69,7 @@ def _reward_models(config: ScoreConfig) -> dict[str, InputRef]:
     return models
 
 
-@opens(STAGE, extra_inputs=_reward_models, key_config=ScoreConfig.work_key)
+@opens(STAGE, extra_inputs=_reward_models)
 def run(config: ScoreConfig, start: StageStart) -> Manifest:
     """Score the rollouts (all shards, or this worker's); returns the manifest (or, for one of N
     workers, an uncommitted manifest describing the shards it wrote)."""
@@ -78,7 +78,7 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
 
     extra_columns = [SCORES.families[0].column(c.name, f"{c.type} component, weight {c.weight}")
                      for c in config.components]
-    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=_recorded(config), inputs=inputs,
+    writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=config.resolved(), inputs=inputs,
                             cache_key=key, extra_columns=extra_columns, clean=config.worker_index is None)
     names = read_manifest(config.rollouts).shard_names
     mine = names
@@ -89,7 +89,7 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
     # Score shard by shard: read, run every component (checked), write the scores shard.
     scorers = [build_scorer(c) for c in config.components]
     written = []
-    with progress(f"score{_who(config)}: shards", len(mine)) as advance:
+    with progress(f"score{config.worker_label()}: shards", len(mine)) as advance:
         for name in mine:
             table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ)
             rows = _rows(config.rollouts / name, table)
@@ -161,12 +161,3 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
     extra = {f"{k}_mean": v / total_rows for k, v in sums.items()} if total_rows else {}
     return writer.commit(extra=extra, wall_time_s=time.time() - started)
 
-
-def _who(config: ScoreConfig) -> str:
-    return "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
-
-
-
-def _recorded(config: ScoreConfig) -> dict:
-    """The config the manifest records: the same whichever of N workers commits it."""
-    return {k: v for k, v in config.resolved().items() if k not in ("worker_index", "worker_count")}

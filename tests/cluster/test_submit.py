@@ -3,13 +3,9 @@ a rendered 2-rank gloo all-reduce job."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -79,38 +75,6 @@ def test_cli_prints_and_rejects(capsys, tmp_path):
     assert main(["k8s", "--stage", "nope"]) == 2
 
 
-# ------------------------------------------------------------------------------------------------
-# A real one-node Slurm cluster: munge + slurmctld + slurmd in a temporary state dir.
-# ------------------------------------------------------------------------------------------------
-SLURM_CONF = """\
-ClusterName=rlpipe-test
-SlurmctldHost=localhost
-SlurmUser=root
-AuthType=auth/munge
-AuthInfo=socket={s}/msock/munge.socket.2
-CredType=cred/munge
-StateSaveLocation={s}/state
-SlurmdSpoolDir={s}/spool
-SlurmctldPidFile={s}/run/slurmctld.pid
-SlurmdPidFile={s}/run/slurmd.pid
-SlurmctldLogFile={s}/log/slurmctld.log
-SlurmdLogFile={s}/log/slurmd.log
-SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-"""
-
-
 def _free_port() -> int:
     import socket
 
@@ -119,53 +83,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def slurm_cluster():
-    needed = ["sbatch", "slurmctld", "slurmd", "munged", "mungekey"]
-    missing = [b for b in needed if shutil.which(b) is None]
-    if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing); "
-                    "`apt-get install slurm-wlm munge` to run this test")
-    if os.geteuid() != 0:
-        pytest.skip("the one-node Slurm cluster runs slurmd as root")
-    # munged wants every folder above its socket world-executable (pytest's tmp_path is 0700).
-    s = Path(tempfile.mkdtemp(prefix="rlpipe-slurm-"))
-    s.chmod(0o755)
-    for d in ("munge", "msock", "run", "state", "spool", "log"):
-        (s / d).mkdir(parents=True)
-    (s / "munge").chmod(0o700)
-    (s / "msock").chmod(0o755)
-    conf = s / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(s=s, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count()))
-    env = {**os.environ, "SLURM_CONF": str(conf)}
-    subprocess.run(["mungekey", "-c", "-k", f"{s}/munge/munge.key"], check=True, capture_output=True)
-    subprocess.run(["munged", f"--key-file={s}/munge/munge.key", f"--socket={s}/msock/munge.socket.2",
-                    f"--pid-file={s}/msock/munged.pid", f"--log-file={s}/log/munged.log",
-                    f"--seed-file={s}/munge/munged.seed"], check=True)
-    subprocess.run(["slurmctld"], env=env, check=True)
-    subprocess.run(["slurmd", "-N", "localhost"], env=env, check=True)
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline:  # wait until the node is idle
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout
-            if out.strip() == "idle":
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the Slurm node never became idle: {out!r}; logs in {s}/log")
-        yield env
-    finally:
-        for pid_file in ("run/slurmd.pid", "run/slurmctld.pid", "msock/munged.pid"):
-            p = s / pid_file
-            if p.is_file():
-                try:
-                    os.kill(int(p.read_text().strip()), 15)
-                except (ProcessLookupError, ValueError):
-                    pass
-        time.sleep(0.5)
-        shutil.rmtree(s, ignore_errors=True)
-
-
+# A real one-node Slurm cluster: the `slurm_cluster` fixture (tests/cluster/conftest.py).
+@pytest.mark.slurm
 @pytest.mark.integration
 @pytest.mark.slow
 def test_real_slurm_runs_a_rendered_two_rank_job(slurm_cluster, tmp_path):

@@ -1,0 +1,169 @@
+"""A whole run on Kubernetes: a driver Job (with the RBAC it needs) runs the pipeline, and every
+stage the preset places runs as an Indexed Job the driver creates, watches and deletes.
+
+    rlpipe submit k8s grpo --out k8s/ launch.kubernetes.image=reg/rlpipe:0.1   # render
+    kubectl apply -f k8s/driver.yaml                                          # or --apply
+
+Per placed stage (`job_manifests`): a 'ranks' stage is the one-stage template of
+`rlpipe.cluster.submit.render_k8s` (a headless Service and an Indexed Job of `nodes` pods running
+torchrun, rendezvous at pod 0); a 'shards' stage is an Indexed Job of `workers` pods, pod i
+running worker i (`worker_index=$JOB_COMPLETION_INDEX`); a 'single' stage one pod. Every pod
+mounts the runs volume (a ReadWriteMany claim) at the same path as the driver, so the saved
+`configs/<stage>.yaml` and the artifacts are where the driver wrote them. The manifest is the
+completion signal; a failed Job fails the stage with the tail of its pods' logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlpipe.cluster.launchers import PlacedLauncher, StageLaunchError, stage_argv
+from rlpipe.cluster.placement import KubernetesSpec, StagePlacement
+from rlpipe.cluster.submit import JobSpec, render_k8s
+from rlpipe.pipelines.plan import StageCall
+from rlpipe.stages import get_stage
+
+DRIVER_ACCOUNT = "rlpipe-driver"
+PRESET_MOUNT = "/etc/rlpipe"
+
+
+def job_name(call: StageCall) -> str:
+    """A DNS-1123 name unique to the stage call: rlpipe-<run>-<iteration>-<stage>[-hash] (at most
+    52 characters, so that pod host names `<job>-<index>` stay within 63)."""
+    where = call.config_dir.absolute().parent
+    base = re.sub(r"[^a-z0-9-]+", "-", f"rlpipe-{where.name}-{call.name}".lower()).strip("-")
+    digest = hashlib.sha256(str(call.config_file.absolute()).encode()).hexdigest()[:6]
+    return f"{base[:45].rstrip('-')}-{digest}"
+
+
+def job_manifests(call: StageCall, p: StagePlacement, k: KubernetesSpec, *, force: bool = False,
+                  python: str = "python") -> list[dict[str, Any]]:
+    """The Kubernetes objects of one placed stage call (see the module doc)."""
+    name, args = job_name(call), tuple(stage_argv(call, force)[2:])
+    scaling = get_stage(call.name).scaling
+    spec = JobSpec(stage=call.name, args=args, nodes=p.nodes if scaling == "ranks" else 1,
+                   gpus_per_node=p.gpus, ranks_per_node=p.ranks_per_node, job_name=name,
+                   cpus_per_task=p.cpus_per_task, workdir=k.runs_mount, image=k.image, namespace=k.namespace,
+                   pvc=k.pvc, runs_mount=k.runs_mount)
+    service, job = yaml.safe_load_all(render_k8s(spec))
+    if scaling == "ranks":
+        return [service, job]
+    # One pod per worker: the same pod template, running the stage itself instead of torchrun.
+    workers = p.workers if scaling == "shards" else 1
+    job["spec"]["completions"] = job["spec"]["parallelism"] = workers
+    pod = job["spec"]["template"]["spec"]
+    del pod["subdomain"]
+    split = " worker_index=$JOB_COMPLETION_INDEX worker_count=" + str(workers) if workers > 1 else ""
+    (container,) = pod["containers"]
+    container["name"] = "worker"
+    container["args"] = [f"exec {python} -m {get_stage(call.name).module} {' '.join(args)}{split}"]
+    return [job]
+
+
+def driver_manifests(preset, k: KubernetesSpec, python: str = "python") -> list[dict[str, Any]]:
+    """ServiceAccount, Role (jobs, services: create/get/watch/delete; pods and pods/log: read),
+    RoleBinding, the preset as a ConfigMap, and the driver Job running
+    `rlpipe run /etc/rlpipe/preset.yaml --local --run-dir <runs_mount>/<name>` (launcher kubernetes)."""
+    data = preset.model_dump(mode="json")
+    data["launch"] = {**data["launch"], "launcher": "kubernetes"}
+    meta = {"namespace": k.namespace, "labels": {"app.kubernetes.io/name": "rlpipe"}}
+    name = re.sub(r"[^a-z0-9-]+", "-", f"rlpipe-{preset.name}".lower()).strip("-")[:52]
+    rules = [
+        {"apiGroups": ["batch"], "resources": ["jobs"],
+         "verbs": ["create", "get", "list", "watch", "delete", "patch"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "get", "list", "delete", "patch"]},
+        {"apiGroups": [""], "resources": ["pods", "pods/log"], "verbs": ["get", "list", "watch"]},
+    ]
+    command = f"exec {python} -m rlpipe.pipelines.cli run {PRESET_MOUNT}/preset.yaml --local --run-dir {k.runs_mount}/{preset.name}"
+    driver_pod = {
+        "serviceAccountName": DRIVER_ACCOUNT,
+        "restartPolicy": "Never",
+        "containers": [{
+            "name": "driver", "image": k.image, "workingDir": k.runs_mount,
+            "command": ["bash", "-c"], "args": [command],
+            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+            "resources": {"limits": {"cpu": "1"}},
+            "volumeMounts": [{"name": "runs", "mountPath": k.runs_mount},
+                             {"name": "preset", "mountPath": PRESET_MOUNT, "readOnly": True}],
+        }],
+        "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": k.pvc}},
+                    {"name": "preset", "configMap": {"name": f"{name}-preset"}}],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": DRIVER_ACCOUNT, **meta}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": DRIVER_ACCOUNT, **meta}, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": DRIVER_ACCOUNT, **meta},
+         "subjects": [{"kind": "ServiceAccount", "name": DRIVER_ACCOUNT, "namespace": k.namespace}],
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": DRIVER_ACCOUNT}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-preset", **meta},
+         "data": {"preset.yaml": yaml.safe_dump(data, sort_keys=False)}},
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-driver", **meta},
+         "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": meta["labels"]}, "spec": driver_pod}}},
+    ]
+
+
+def render_run(preset, out: Path) -> list[Path]:
+    """Write <out>/driver.yaml (apply it to start the run) and, for review, <out>/stages/<stage>.yaml:
+    the Jobs the driver will create for the first iteration's placed stages."""
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
+
+    k = preset.launch.kubernetes
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "driver.yaml"]
+    written[0].write_text(yaml.safe_dump_all(driver_manifests(preset, k), sort_keys=False))
+    plan = Plan(preset, RunLayout(Path(k.runs_mount) / preset.name))
+    for call in [*plan.setup(), *plan.iteration(0)]:
+        p = preset.launch.stages.get(call.name)
+        if p is not None:
+            path = out / "stages" / f"{call.config_dir.parent.name}-{call.name}.yaml"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(yaml.safe_dump_all(job_manifests(call, p, k), sort_keys=False))
+            written.append(path)
+    return written
+
+
+def _kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
+    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+class KubernetesLauncher(PlacedLauncher):
+    """Placed stages as Indexed Jobs, from a driver with kubectl and the RBAC of `driver_manifests`."""
+
+    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        k = self.launch.kubernetes
+        docs = job_manifests(call, p, k, force=force)
+        name, log = job_name(call), logs / f"{call.name}.log"
+        ns = ["--namespace", k.namespace]
+        for doc in docs:  # a Job left by a killed driver: start over
+            _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *ns, "--ignore-not-found", "--wait=true")
+        _kubectl("apply", *ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
+        try:
+            while True:
+                status = json.loads(_kubectl("get", "job", name, *ns, "-o", "json")).get("status", {})
+                conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+                if conditions.get("Complete") == "True" or conditions.get("Failed") == "True":
+                    break
+                time.sleep(k.poll_seconds)
+            log.write_text(_kubectl("logs", "-l", f"job-name={name}", *ns, "--prefix", "--tail=-1",
+                                    "--all-containers", check=False))
+            if conditions.get("Failed") == "True":
+                raise StageLaunchError(call.name, None, log, f"Job {name} failed: {status.get('failed', 0)} pod(s)")
+        finally:
+            for doc in docs:
+                _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *ns, "--ignore-not-found",
+                         "--wait=false", check=False)
+        return log

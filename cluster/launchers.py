@@ -1,0 +1,317 @@
+"""Launchers: how the pipeline's one stage-call seam (`Pipeline.call(stage_call) -> Manifest`)
+runs a stage, as the preset's `launch` section places it (`rlpipe.cluster.placement`).
+
+- `local`: in the driver's process (models stay warm between iterations).
+- `processes`: a placed 'shards' stage as N local worker processes
+  (`python -m rlpipe.stages.<name> -c <configs/<name>.yaml> worker_index=i worker_count=N`),
+  a placed 'ranks' stage under torchrun, a placed 'single' stage as one process.
+- `slurm`: inside an allocation (the driver runs in its batch step), each placed stage is one
+  `srun` step with its own nodes and tasks; rendezvous from the step's nodes.
+- `kubernetes`: each placed stage is an Indexed Job (`rlpipe.cluster.kubernetes`), applied and
+  watched with kubectl from the driver's pod.
+
+Every launched process runs the config file the pipeline saved, so what it computes, and its
+cache key, is that of `rlpipe stage <name> -c <file>`: a stage whose manifest matches skips
+itself when it starts (resume), and the artifacts equal the in-process run's. The manifest is the
+completion signal: a launch succeeds when every process exited 0 and every output of the call
+has its manifest. A failed launch raises `StageLaunchError` with the exit code and the tail of
+the stage's log (runs/<run>/logs/<iteration>/<stage>.log).
+
+Addresses are explicit: single-machine launches rendezvous on 127.0.0.1 at a free port, and
+gloo is told to use the loopback interface (GLOO_SOCKET_IFNAME), so nothing listens on a
+network address; Slurm and Kubernetes launches rendezvous at the first node of the job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from rlpipe.cluster.launch import local_env, stage_command, torchrun_executable
+from rlpipe.cluster.placement import Launch, StagePlacement
+from rlpipe.pipelines.plan import StageCall
+from rlpipe.schemas import Manifest
+from rlpipe.schemas.runs import iteration_index
+from rlpipe.stages import get_stage
+
+LOOPBACK = "127.0.0.1"
+LOG_TAIL_LINES = 40
+
+
+class StageLaunchError(RuntimeError):
+    """A launched stage failed: its exit code and the tail of its log. Not a UserError: a crashed
+    worker can be transient, so Prefect retries it as configured in the stage registry."""
+
+    def __init__(self, stage: str, exit_code: int | None, log: Path, detail: str = ""):
+        self.stage, self.exit_code, self.log = stage, exit_code, log
+        how = f"exit code {exit_code}" if exit_code is not None else detail
+        tail = log_tail(log)
+        cause = _last_error(log)
+        cause = f"\n{cause}" if cause and cause not in tail else ""
+        super().__init__(f"stage {stage} failed ({how}){cause}\nlast lines of {log}:\n{tail}"
+                         if tail else f"stage {stage} failed ({how}); no output in {log}")
+
+
+class Launcher(Protocol):
+    def __call__(self, call: StageCall, *, force: bool = False) -> Manifest: ...
+
+
+def run_in_process(call: StageCall, *, force: bool = False) -> Manifest:
+    """The local launcher: the stage runs in this process. Before a training stage ('ranks'
+    scaling) a vLLM engine a rollout left in this process is torn down, so that optimize gets the
+    GPUs' memory (the next rollout starts an engine on the new checkpoint)."""
+    engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
+    if engine is not None and get_stage(call.name).scaling == "ranks":
+        engine.release()
+
+    return get_stage(call.name).run(call.config, force=force)
+
+
+def launcher_for(launch: Launch) -> Launcher:
+    """The launcher the preset's `launch.launcher` names."""
+    if launch.launcher == "local":
+        return run_in_process
+    return {"processes": ProcessLauncher, "slurm": SlurmLauncher,
+            "kubernetes": _kubernetes_launcher}[launch.launcher](launch)
+
+
+def _kubernetes_launcher(launch: Launch) -> Launcher:
+    from rlpipe.cluster.kubernetes import KubernetesLauncher
+
+    return KubernetesLauncher(launch)
+
+
+# -- what every launcher shares ---------------------------------------------------------------
+def log_dir(call: StageCall) -> Path:
+    """runs/<run>/logs/<iter_NNNN or setup>/ for a call whose configs live in
+    runs/<run>/[iter_NNNN/]configs/."""
+    where = call.config_dir.absolute().parent
+    if iteration_index(where.name) is not None:
+        return where.parent / "logs" / where.name
+    return where / "logs" / "setup"
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").rstrip("\n").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def completed(call: StageCall, log: Path) -> Manifest:
+    """The manifest of the call's first output, once every output has one (the completion signal)."""
+    from rlpipe.schemas import ArtifactError, read_manifest
+
+    outputs = call.config.outputs()
+    for path in outputs.values():
+        try:
+            read_manifest(path)
+        except ArtifactError:
+            raise StageLaunchError(call.name, None, log, f"its processes exited 0 but {path} has no "
+                                   "valid manifest") from None
+    return read_manifest(next(iter(outputs.values())))
+
+
+def _last_error(log: Path) -> str:
+    """The last `SomeError: ...` line of a log that is not the launcher's own (torchrun prints its
+    ChildFailedError after the rank's traceback, which then scrolls out of the tail)."""
+    if not log.is_file():
+        return ""
+    found = [line for line in log.read_text(errors="replace").splitlines()
+             if _ERROR_LINE.search(line) and "ChildFailedError" not in line]
+    return found[-1] if found else ""
+
+
+_ERROR_LINE = re.compile(r"(^|\s)(\w+(Error|Exception)|error): ")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now (the OS picks it; closed again before the launch binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def stage_argv(call: StageCall, force: bool) -> list[str]:
+    """`-m rlpipe.stages.<name> -c <saved config, absolute> [--force]`: what every launched process runs."""
+    return ["-m", get_stage(call.name).module, "-c", str(call.config_file.absolute()),
+            *(["--force"] if force else [])]
+
+
+def process_env(p: StagePlacement, *, loopback: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """A launched process's environment: CPU (DeepSpeed's CPU accelerator) unless it has GPUs,
+    `cpus_per_task` threads, unbuffered output (the log is the failure report), and with
+    `loopback` gloo bound to the loopback interface."""
+    env = local_env(base, cpu=p.gpus == 0, threads_per_rank=p.cpus_per_task)
+    env["PYTHONUNBUFFERED"] = "1"
+    if loopback:
+        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    return env
+
+
+def loopback_interface() -> str:
+    """The name of the loopback interface ('lo' on Linux, 'lo0' on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), names[0] if names else "lo")
+
+
+class PlacedLauncher:
+    """A launcher for placed stages; unplaced stages run in the driver's process."""
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+
+    def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
+        placement = self.launch.placement(call.name)
+        if placement is None:
+            return run_in_process(call, force=force)
+        logs = log_dir(call)
+        logs.mkdir(parents=True, exist_ok=True)
+        log = self.start(call, placement, force, logs)
+        return completed(call, log)
+
+    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        """Run the placed stage to its end (raise StageLaunchError on failure); returns its log."""
+        raise NotImplementedError
+
+
+# -- processes on this machine ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Process:
+    """One process of a launch: its argv, environment and log file."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+
+
+def local_processes(call: StageCall, p: StagePlacement, force: bool, logs: Path) -> list[Process]:
+    """The processes of a placed stage on this machine (see the module doc)."""
+    scaling = get_stage(call.name).scaling
+    argv = stage_argv(call, force)
+    env = process_env(p, loopback=True)
+    if scaling == "ranks":
+        cmd = stage_command(call.name, argv[2:], nproc_per_node=p.ranks_per_node,
+                            master_addr=LOOPBACK, master_port=free_port())
+        return [Process([torchrun_executable(), *cmd[1:]], env, logs / f"{call.name}.log")]
+    if scaling == "shards" and p.workers > 1:
+        return [Process([sys.executable, *argv, f"worker_index={i}", f"worker_count={p.workers}"],
+                        _gpus(env, range(i * p.gpus, (i + 1) * p.gpus)), logs / f"{call.name}.{i}.log")
+                for i in range(p.workers)]
+    return [Process([sys.executable, *argv], _gpus(env, range(p.gpus)), logs / f"{call.name}.log")]
+
+
+def _gpus(env: dict[str, str], ids: range) -> dict[str, str]:
+    """Worker i of a GPU placement sees its own GPUs only."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if len(ids) else env
+
+
+def run_processes(stage: str, procs: Sequence[Process], poll: float = 0.05) -> None:
+    """Start every process, wait for all; the first failure stops the others and raises."""
+    running: list[tuple[Process, subprocess.Popen]] = []
+    try:
+        for proc in procs:
+            with open(proc.log, "wb") as out:  # the child keeps its own copy of the descriptor
+                running.append((proc, subprocess.Popen(proc.argv, env=proc.env, stdout=out,
+                                                       stderr=subprocess.STDOUT, start_new_session=True)))
+        pending = list(running)
+        while pending:
+            for proc, popen in list(pending):
+                code = popen.poll()
+                if code is None:
+                    continue
+                pending.remove((proc, popen))
+                if code != 0:
+                    raise StageLaunchError(stage, code, proc.log)
+            time.sleep(poll)
+    finally:
+        _stop([popen for _, popen in running])
+
+
+def _stop(popens: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every process group still running (a worker's torchrun ranks too), then SIGKILL."""
+    import signal
+
+    alive = [p for p in popens if p.poll() is None]
+    for p in alive:
+        os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.time() + grace
+    for p in alive:
+        try:
+            p.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class ProcessLauncher(PlacedLauncher):
+    """Placed stages as processes on this machine (`local_processes`)."""
+
+    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        procs = local_processes(call, p, force, logs)
+        run_processes(call.name, procs)
+        return procs[0].log
+
+
+# -- Slurm: srun steps inside the driver's allocation -----------------------------------------
+#: Run by every task of a step (bash -c SCRIPT stage ARGV...): the rank / worker variables from
+#: Slurm's, the rendezvous at the step's first node.
+_SRUN_TASK = {
+    "ranks": ('export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID '
+              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE '
+              'MASTER_ADDR=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1); exec "$@"'),
+    "shards": 'exec "$@" worker_index=$SLURM_PROCID worker_count=$SLURM_NTASKS',
+    "single": 'exec "$@"',
+}
+
+
+def srun_command(call: StageCall, p: StagePlacement, force: bool, log: Path, *,
+                 allocation_nodes: int, python: str = sys.executable) -> list[str]:
+    """The `srun` step of a placed stage inside an allocation of `allocation_nodes` nodes."""
+    scaling = get_stage(call.name).scaling
+    if scaling == "ranks":
+        shape = [f"--nodes={p.nodes}", f"--ntasks={p.nodes * p.ranks_per_node}",
+                 f"--ntasks-per-node={p.ranks_per_node}"]
+        gpus = [f"--gpus-per-node={p.gpus_per_node}"] if p.gpus_per_node else []
+    else:
+        tasks = p.workers if scaling == "shards" else 1
+        shape = [f"--nodes={min(tasks, allocation_nodes)}", f"--ntasks={tasks}"]
+        gpus = [f"--gpus-per-task={p.gpus_per_worker}"] if p.gpus_per_worker else []
+    if p.nodes > allocation_nodes:
+        raise ValueError(f"launch.{call.name}: nodes={p.nodes}, but the allocation has {allocation_nodes}")
+    return ["srun", f"--job-name=rlpipe-{call.name}", *shape, f"--cpus-per-task={p.cpus_per_task}", *gpus,
+            "--kill-on-bad-exit=1", f"--output={log}", "--open-mode=append", "bash", "-c", _SRUN_TASK[scaling], call.name,
+            python, *stage_argv(call, force)]
+
+
+class SlurmLauncher(PlacedLauncher):
+    """Placed stages as srun steps of the allocation the driver runs in (`rlpipe submit slurm`)."""
+
+    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        if "SLURM_JOB_ID" not in os.environ:
+            raise StageLaunchError(call.name, None, logs / f"{call.name}.log",
+                                   "the slurm launcher runs inside a Slurm allocation: submit the run "
+                                   "with `rlpipe submit slurm PRESET`, or run it under salloc")
+        nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        log = logs / f"{call.name}.log"
+        # One node: rendezvous and gloo on loopback; several: at the step's first node.
+        env = process_env(p, loopback=nodes == 1)
+        env["MASTER_PORT"] = str(free_port("0.0.0.0" if nodes > 1 else LOOPBACK))
+        cmd = srun_command(call, p, force, log, allocation_nodes=nodes)
+        with open(log, "wb") as out:  # srun's own messages; the tasks append theirs (--open-mode)
+            out.write(f"[rlpipe] {shlex.join(cmd)}\n".encode())
+            out.flush()
+            code = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        if code.returncode != 0:
+            raise StageLaunchError(call.name, code.returncode, log)
+        return log
+

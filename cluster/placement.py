@@ -1,0 +1,140 @@
+"""Where each stage of a run runs: the preset's `launch` section.
+
+    launch:
+      launcher: processes               # local (default) | processes | slurm | kubernetes
+      rollout:   {workers: 2}           # 'shards' stages: N worker processes, one artifact
+      reference: {workers: 2, gpus_per_worker: 1}
+      optimize:  {nodes: 1, ranks_per_node: 2}   # 'ranks' stages: one multi-rank job
+
+A stage named here is launched by the chosen launcher (`rlpipe.cluster.launchers`) as separate
+processes that run its saved `configs/<stage>.yaml`; a stage not named here runs in the driver's
+process, as with `launcher: local`, where every placement is ignored (so a preset written for a
+cluster also runs on a laptop with `launch.launcher=local`). What a stage may ask for follows its
+registry entry's `scaling` (`rlpipe.stages.STAGES`): 'shards' stages take `workers` (and
+`gpus_per_worker`), 'ranks' stages take `nodes`, `ranks_per_node` (and `gpus_per_node`),
+'single' stages one process (and `gpus_per_worker`). Placement never changes what a stage
+computes: its artifacts and cache keys are those of the in-process run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LauncherName = Literal["local", "processes", "slurm", "kubernetes"]
+"""local: every stage in the driver's process. processes: placed stages as local processes
+(worker processes, torchrun). slurm: placed stages as `srun` steps of the allocation the driver
+runs in. kubernetes: placed stages as Indexed Jobs (needs kubectl and a shared volume)."""
+
+#: The settings of the `launch` section that are not stage names.
+SETTINGS = ("launcher", "kubernetes", "stages")
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class StagePlacement(_Spec):
+    """How many processes, nodes and GPUs one stage gets."""
+
+    workers: int = Field(1, ge=1)
+    """'shards' stages: worker processes sharing the stage's one output artifact (worker i of N
+    writes the shards k with k % N == i; the last to finish writes the manifest)."""
+    gpus_per_worker: int = Field(0, ge=0)
+    """'shards' and 'single' stages: GPUs per worker process (0: CPU)."""
+    nodes: int = Field(1, ge=1)
+    """'ranks' stages: nodes of the multi-rank job (more than 1 needs slurm or kubernetes)."""
+    ranks_per_node: int = Field(1, ge=1)
+    """'ranks' stages: ranks (processes) per node; on GPUs usually gpus_per_node."""
+    gpus_per_node: int = Field(0, ge=0)
+    """'ranks' stages: GPUs per node (0: CPU ranks over gloo)."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores per process: its OMP_NUM_THREADS, Slurm's --cpus-per-task."""
+
+    @property
+    def processes(self) -> int:
+        """Processes the stage runs as: workers x nodes x ranks_per_node (two of them are 1)."""
+        return self.workers * self.nodes * self.ranks_per_node
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one process: per worker, or per node shared by its ranks."""
+        return self.gpus_per_worker or self.gpus_per_node
+
+
+class KubernetesSpec(_Spec):
+    """What the kubernetes launcher puts into every Job it renders."""
+
+    image: str = "rlpipe:latest"
+    """Container image with rlpipe installed (the driver's image too)."""
+    namespace: str = "default"
+    """Namespace of the Jobs (the driver's RBAC is granted there)."""
+    pvc: str = "rlpipe-runs"
+    """PersistentVolumeClaim (ReadWriteMany) holding the run directories, mounted in every pod."""
+    runs_mount: str = "/runs"
+    """Where the claim is mounted; run directories must lie under it."""
+    poll_seconds: float = Field(5.0, gt=0)
+    """How often the driver polls a running Job."""
+
+
+class Launch(_Spec):
+    """The `launch` section of a preset: the launcher and the stages it places."""
+
+    launcher: LauncherName = "local"
+    """Who runs the placed stages (see LauncherName)."""
+    stages: dict[str, StagePlacement] = Field(default_factory=dict)
+    """Stage name -> placement. Written in a preset as keys of `launch` itself
+    (`launch: {rollout: {workers: 4}}`)."""
+    kubernetes: KubernetesSpec = KubernetesSpec()
+    """Image, namespace and volume of the kubernetes launcher's Jobs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_keys(cls, data: Any) -> Any:
+        """`launch: {rollout: {...}}` -> `stages: {rollout: {...}}`; other keys must be settings
+        or stage names."""
+        if not isinstance(data, dict):
+            return data
+        from rlpipe.stages import STAGES
+
+        out = {k: v for k, v in data.items() if k in SETTINGS}
+        stages = dict(out.get("stages") or {})
+        for key, value in data.items():
+            if key in SETTINGS:
+                continue
+            if key not in STAGES:
+                raise ValueError(f"launch.{key}: neither a setting ({', '.join(SETTINGS[:2])}) nor a "
+                                 f"stage ({', '.join(STAGES)})")
+            stages[key] = value
+        if stages:
+            out["stages"] = stages
+        return out
+
+    @model_validator(mode="after")
+    def _fits_the_stage(self) -> Launch:
+        from rlpipe.stages import STAGES
+
+        for name, p in self.stages.items():
+            if name not in STAGES:
+                raise ValueError(f"launch.{name}: not a stage; stages: {', '.join(STAGES)}")
+            scaling = STAGES[name].scaling
+            wrong = {"shards": ("nodes", "ranks_per_node", "gpus_per_node"),
+                     "ranks": ("workers", "gpus_per_worker"),
+                     "single": ("workers", "nodes", "ranks_per_node", "gpus_per_node")}[scaling]
+            bad = [k for k in wrong if k in p.model_fields_set and getattr(p, k) != StagePlacement.model_fields[k].default]
+            if bad:
+                hint = {"shards": "it scales by `workers` (N worker processes)",
+                        "ranks": "it scales by `nodes` x `ranks_per_node` (one multi-rank job)",
+                        "single": "it runs as one process"}[scaling]
+                raise ValueError(f"launch.{name}: {', '.join(bad)} do not apply to {name}: {hint}")
+            if self.launcher == "processes" and p.nodes > 1:
+                raise ValueError(f"launch.{name}: nodes={p.nodes}, but the processes launcher runs on "
+                                 "this machine; use launcher slurm or kubernetes for several nodes")
+        return self
+
+    def placement(self, stage: str) -> StagePlacement | None:
+        """The placement of `stage`, or None when it runs in the driver's process."""
+        if self.launcher == "local":
+            return None
+        return self.stages.get(stage)
