@@ -49,15 +49,16 @@ def _open(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path | str, log: Callable[[str], None] = print) -> Iterator[None]:
-    """Hold the lock of `run_dir` for the block; RunLocked if another live process holds it."""
+def run_lock(run_dir: Path | str, log: Callable[[str], None] = print) -> Iterator[bool]:
+    """Hold the lock of `run_dir` for the block, which gets True; RunLocked if another live process
+    holds it. On a read-only run directory no lock is taken and the block gets False."""
     run_dir = Path(run_dir)
     path = run_dir / LOCK_NAME
     while True:
         fd = _open(path)
         if fd is None:
             log(f"{run_dir} is not writable: no run lock taken (only cached stages can run)")
-            yield
+            yield False
             return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,7 +85,7 @@ def run_lock(run_dir: Path | str, log: Callable[[str], None] = print) -> Iterato
                          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode(), 0)
-        yield
+        yield True
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -22,11 +22,11 @@ Prefect artifacts all show these numbers, under these names:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from rlpipe.schemas import MANIFEST_NAME, ArtifactError, exists, read_manifest, read_table_artifact
+from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name, iteration_dirs
 
 #: The component a preset names `correct` (an answer-match verifier) is shown as accuracy.
@@ -192,7 +192,7 @@ def write_report(run_dir: Path | str, *, live: bool = False) -> Path:
     """Write report/curves.png, report/metrics.md and report/index.html; returns the folder.
 
     `live`: the run is still going (the page reloads itself every REFRESH_SECONDS). Each file is
-    written beside and renamed into place, so a reader never sees half a file."""
+    written beside and renamed into place (when it changed), so a reader never sees half a file."""
     from rlpipe.pipelines.report_html import render_html
 
     run_dir = Path(run_dir)
@@ -201,31 +201,25 @@ def write_report(run_dir: Path | str, *, live: bool = False) -> Path:
     table = run_table(run_dir)
     initial = eval_metrics(run_dir / INITIAL_EVAL_DIR) if exists(run_dir / INITIAL_EVAL_DIR) else {}
     png = plot_curves(table, initial, f"rlpipe run {run_dir.name}")
-    _replace(out / "curves.png", png)
+    write_if_changed(out / "curves.png", png)
     lines = [f"# Run {run_dir.name}", "", NOTE, ""]
     if initial:
         lines += ["Held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in initial.items()), ""]
     lines.append(markdown_table(table))
-    _replace(out / "metrics.md", ("\n".join(lines) + "\n").encode())
+    write_if_changed(out / "metrics.md", ("\n".join(lines) + "\n").encode())
     iters = iteration_dirs(run_dir)
     samples = None
     latest = next((k for k, d in reversed(iters) if exists(d / "rollouts")), None)
     if latest is not None:
         samples = (shown_iteration(latest), sample_completions(run_dir, latest))
     page = render_html(run_dir.name, table, png, initial, samples, live=live)
-    _replace(out / "index.html", page.encode())
+    write_if_changed(out / "index.html", page.encode())
     return out
 
 
 #: How the report's numbers are defined, printed with them.
 NOTE = ("Iteration n is directory iter_{n-1:04d} (0: before training); optimiser metrics are means "
         "over the iteration's optimizer steps; seconds_<stage>: wall time of each stage.")
-
-
-def _replace(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def plot_curves(table, initial: dict[str, float], title: str) -> bytes:

@@ -25,7 +25,7 @@ from rlpipe.pipelines.lock import run_lock
 from rlpipe.pipelines.plan import Plan, StageCall
 from rlpipe.pipelines.preset import Preset
 from rlpipe.schemas import Manifest
-from rlpipe.schemas.atomic import atomic_write_bytes
+from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
 from rlpipe.schemas.runs import iteration_dirs
 
@@ -76,7 +76,7 @@ class Pipeline:
     def execute(self, call: StageCall) -> Manifest:
         """Save the call's config as YAML (so the stage can be rerun alone: `rlpipe stage <name> -c
         <that file>`) and run it through `call`, timing it."""
-        _write_if_changed(call.config_file, yaml.safe_dump(_relative_paths(call.config, call.config_dir), sort_keys=False))
+        write_if_changed(call.config_file, yaml.safe_dump(_relative_paths(call.config, call.config_dir), sort_keys=False).encode())
         started = time.perf_counter()
         manifest = self.call(call)
         self._seconds[call.name] = self._seconds.get(call.name, 0.0) + time.perf_counter() - started
@@ -85,16 +85,17 @@ class Pipeline:
     def run(self) -> list[IterationRecord]:
         """Set-up stages, then the iterations; returns one record per iteration."""
         self.layout.root.mkdir(parents=True, exist_ok=True)
-        with run_lock(self.layout.root, log=self.log):
-            return self._run()
+        with run_lock(self.layout.root, log=self.log) as writable:
+            return self._run(writable)
 
-    def _run(self) -> list[IterationRecord]:
+    def _run(self, writable: bool) -> list[IterationRecord]:
         from rlpipe.pipelines.sinks import RunMonitor
 
         p, L = self.preset, self.layout
         self.plan.check_inputs()
         self._start_run_dir()
-        monitor = RunMonitor(p, L.root)  # metric sinks + the report, after every iteration
+        # Metric sinks + the report after every iteration (neither on a read-only run directory).
+        monitor = RunMonitor(p, L.root, enabled=writable)
         for call in self.plan.setup():
             self.execute(call)
         self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(self._seconds)})")
@@ -128,7 +129,7 @@ class Pipeline:
                     f"{L.root} holds a run of a different preset ({L.preset_file} differs in {', '.join(changed)}); "
                     f"pass another run directory (--run-dir DIR) or delete {L.root} to start over"
                 )
-        _write_if_changed(L.preset_file, yaml.safe_dump(preset, sort_keys=False))
+        write_if_changed(L.preset_file, yaml.safe_dump(preset, sort_keys=False).encode())
 
     # -- what the user sees ----------------------------------------------------------------
     def _record(self, k: int, total: float) -> IterationRecord:
@@ -176,10 +177,3 @@ def _relative_paths(config: StageConfig, folder: Path) -> dict:
     return rel.resolved()
 
 
-def _write_if_changed(path: Path, text: str) -> None:
-    """Write a run file atomically, and only when its content changes (a finished run on a
-    read-only mount reruns; a kill mid-write leaves the old file whole)."""
-    if path.is_file() and path.read_text() == text:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, text.encode())

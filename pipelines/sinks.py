@@ -186,10 +186,11 @@ class RunMonitor:
     """Watches a run for the pipeline: after every iteration it logs the summary row and sample
     completions to the preset's sinks and rewrites the report (live); `close()` closes the sinks
     and writes the final report. Sinks open at the first iteration (nothing opens for a run that
-    fails in its set-up). Also a context manager (closes on exit, an error included)."""
+    fails in its set-up). `enabled=False` (a read-only run directory): neither. Also a context
+    manager (closes on exit, an error included)."""
 
-    def __init__(self, preset: Any, run_dir: Path | str):
-        self.preset = preset
+    def __init__(self, preset: Any, run_dir: Path | str, *, enabled: bool = True):
+        self.preset, self.enabled = preset, enabled
         self.run_dir = Path(run_dir)
         self.loggers = list(getattr(preset, "loggers", []) or [])
         check_sink_names(self.loggers)
@@ -207,6 +208,8 @@ class RunMonitor:
         """After iteration `record.iteration` (an IterationRecord, or anything with .iteration)."""
         from rlpipe.pipelines.report import iteration_row, sample_completions, write_report
 
+        if not self.enabled:
+            return
         sinks = self._open()
         if sinks:
             k = record.iteration
@@ -223,7 +226,8 @@ class RunMonitor:
         for sink in self.sinks or []:
             sink.close()
         self.sinks = None
-        write_report(self.run_dir, live=False)
+        if self.enabled:
+            write_report(self.run_dir, live=False)
 
     def __enter__(self) -> RunMonitor:
         return self

@@ -30,6 +30,17 @@ def atomic_write_bytes(path: Path, data: bytes | pa.Buffer, *, fsync: bool = Fal
     os.replace(tmp, path)
 
 
+def write_if_changed(path: Path, data: bytes) -> None:
+    """Write `path` atomically, and only when its bytes change: a finished run's files (configs,
+    the preset, the report) stay untouched on a rerun, so a run on a read-only mount reruns and a
+    kill mid-write leaves the old file whole."""
+    path = Path(path)
+    if path.is_file() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
+
+
 def content_sha256(path: Path | str) -> str:
     """sha256 of a file's bytes, or of every file of a directory (relative path + bytes, sorted):
     the identity of data by content, whatever it is called or wherever it lies."""

@@ -150,7 +150,7 @@ def swap_into_place(staging: Path | str, path: Path | str, *, keep_subdirs: bool
 
 
 @contextlib.contextmanager
-def staged_directory(path: Path | str, *, write: bool = True) -> Iterator[Path]:
+def staged_directory(path: Path | str, *, write: bool = True, shared: bool = False) -> Iterator[Path]:
     """Write a directory artifact (a checkpoint) in staging; swap it in when the block succeeds.
 
         with staged_directory(config.output, write=rank == 0) as tmp:
@@ -160,11 +160,13 @@ def staged_directory(path: Path | str, *, write: bool = True) -> Iterator[Path]:
         # here config.output is the new checkpoint; on an exception the old one is untouched
 
     Args:
-        write: False on processes that take part in the save but write nothing (ranks other than
+        write: False on processes that take part in the save but do not own it (ranks other than
             0): they get the path without creating, swapping or removing anything.
+        shared: every rank writes files into the staging directory (a DeepSpeed checkpoint's
+            per-rank shards), so its name is the same in every process (`.<name>.staging`).
     """
     path = Path(path)
-    staging = open_staging(path) if write else staging_path(path)
+    staging = open_staging(path, shared=shared) if write else staging_path(path, shared=shared)
     try:
         yield staging
     except BaseException as e:

@@ -325,10 +325,13 @@ def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef]
 
         mark = time.perf_counter()
         out = Path(config.train_state_output)
-        record = save_engines(engines, out, rank, rng)
-        if rank == 0:
-            commit_directory(out, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
-                             extra={"kind": KIND, **record}, wall_time_s=time.time() - started)
+        # Staged like the checkpoints (every rank writes its shards): the old state stays whole
+        # until the new one and its manifest are complete.
+        with staged_directory(out, write=rank == 0, shared=True) as staging:
+            record = save_engines(engines, staging, rank, rng)
+            if rank == 0:
+                commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
+                                 extra={"kind": KIND, **record}, wall_time_s=time.time() - started)
         torch.distributed.barrier()
         timing["state_save_s"] = time.perf_counter() - mark
         pol.rlpipe_rng_state = rng

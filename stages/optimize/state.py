@@ -24,7 +24,6 @@ stop with an error that says so.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import types
 from pathlib import Path
@@ -46,15 +45,13 @@ def topology(engine: Any) -> dict[str, Any]:
 
 
 def save_engines(engines: dict[str, Any], out: Path, rank: int, rng_state: torch.Tensor) -> dict[str, Any]:
-    """Write each engine's DeepSpeed checkpoint under out/<role>/ (collective: every rank calls).
+    """Write each engine's DeepSpeed checkpoint under out/<role>/ (collective: every rank calls)
+    into `out`, an empty staging directory rank 0 has created (`staged_directory(..., shared=True)`).
 
     Returns the topology record (also written to out/topology.json by rank 0)."""
     import torch.distributed as dist
 
-    if rank == 0:
-        shutil.rmtree(out, ignore_errors=True)  # a killed save's leftovers must not enter the hash
-        out.mkdir(parents=True)
-    dist.barrier()
+    dist.barrier()  # out exists on every rank before any writes into it
     record: dict[str, Any] = {}
     for role, engine in engines.items():
         engine.save_checkpoint(str(out / role), tag=TAG, client_state={"torch_rng_state": rng_state})

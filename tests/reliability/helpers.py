@@ -29,11 +29,14 @@ def _hidden(rel: Path) -> bool:
 
 def partial_artifacts(run_dir: Path) -> list[str]:
     """Visible directories holding files but no manifest: what a reader could take for an artifact
-    that is not one (staging directories are hidden; report/ and configs/ are not artifacts)."""
+    that is not one (staging directories are hidden; report/ and configs/ are not artifacts; the
+    folders inside a committed artifact, such as a train state's, are its parts)."""
     out = []
     for d in sorted(p for p in run_dir.rglob("*") if p.is_dir()):
         rel = d.relative_to(run_dir)
         if _hidden(rel) or rel.parts[0] == "report" or d.name == "configs":
+            continue
+        if any((run_dir / Path(*rel.parts[:i]) / MANIFEST).is_file() for i in range(1, len(rel.parts))):
             continue
         files = [f for f in d.iterdir() if f.is_file() and not f.name.startswith(".")]
         if files and not (d / MANIFEST).is_file():
