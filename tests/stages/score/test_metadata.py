@@ -27,7 +27,7 @@ def _config(rollouts, out, components):
 def metadata_rollouts(tmp_path):
     """18 rows (9 groups of 2) in shards of 4 groups; group g's metadata holds points 10*g + 1 and
     its prompt text, except every third group, which has none."""
-    from conftest import rollouts_table, write_rollouts
+    from score_tables import rollouts_table, write_rollouts
 
     prompts = [f"Q: {g}+{g}= A:" for g in range(9) for _ in range(2)]
     metadata = [None if g % 3 == 2 else json.dumps({"prompt": f"Q: {g}+{g}= A:", "points": 10.0 * g + 1})
@@ -71,7 +71,7 @@ def test_accepts_metadata_reads_the_signature():
 
 
 def test_bad_metadata_json_names_shard_and_row(tmp_path):
-    from conftest import rollouts_table, write_rollouts
+    from score_tables import rollouts_table, write_rollouts
 
     from rlpipe.schemas import ArtifactError
 

@@ -160,7 +160,7 @@ def test_reward_model_checkpoint_errors(arith_rollouts, tiny_policy_dir, tmp_pat
 
 
 def test_missing_reference_answer(tmp_path):
-    from conftest import rollouts_table, write_rollouts
+    from score_tables import rollouts_table, write_rollouts
 
     write_rollouts(tmp_path / "r", rollouts_table(["Q: 1+1= A:"] * 2, [" 2", " 2"], ["2", None]))
     comp = {"name": "ok", "type": "answer_match"}
@@ -171,7 +171,7 @@ def test_missing_reference_answer(tmp_path):
 
 
 def test_empty_rollouts(tmp_path):
-    from conftest import rollouts_table, write_rollouts
+    from score_tables import rollouts_table, write_rollouts
 
     write_rollouts(tmp_path / "r", rollouts_table([], [], []))
     m = run(_config(tmp_path / "r", tmp_path / "s", [{"name": "f", "type": "regex_format", "pattern": "x"}]))
