@@ -9,6 +9,9 @@ runs a stage, as the preset's `launch` section places it (`rlpipe.cluster.placem
   `srun` step with its own nodes and tasks; rendezvous from the step's nodes.
 - `kubernetes`: each placed stage is an Indexed Job (`rlpipe.cluster.kubernetes`), applied and
   watched with kubectl from the driver's pod.
+- `prefect`: a placed stage with a `work_pool` is a run of the `rlpipe-stage/<pool>` deployment
+  (`rlpipe.flows.pools`), which a worker of that pool picks up and runs as `processes` would;
+  placed stages without one run as `processes` on the driver's machine.
 
 Every launched process runs the config file the pipeline saved, so what it computes, and its
 cache key, is that of `rlpipe stage <name> -c <file>`: a stage whose manifest matches skips
@@ -80,8 +83,8 @@ def launcher_for(launch: Launch) -> Launcher:
     """The launcher the preset's `launch.launcher` names."""
     if launch.launcher == "local":
         return run_in_process
-    return {"processes": ProcessLauncher, "slurm": SlurmLauncher,
-            "kubernetes": _kubernetes_launcher}[launch.launcher](launch)
+    return {"processes": ProcessLauncher, "slurm": SlurmLauncher, "kubernetes": _kubernetes_launcher,
+            "prefect": PrefectPoolLauncher}[launch.launcher](launch)
 
 
 def _kubernetes_launcher(launch: Launch) -> Launcher:
@@ -260,6 +263,18 @@ class ProcessLauncher(PlacedLauncher):
         procs = local_processes(call, p, force, logs)
         run_processes(call.name, procs)
         return procs[0].log
+
+
+class PrefectPoolLauncher(PlacedLauncher):
+    """Placed stages with a `work_pool` on that Prefect work pool's workers; the others as
+    processes on this machine."""
+
+    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        if p.work_pool is None:
+            return ProcessLauncher(self.launch).start(call, p, force, logs)
+        from rlpipe.flows.pools import run_on_pool
+
+        return run_on_pool(call, p, force, logs)
 
 
 # -- Slurm: srun steps inside the driver's allocation -----------------------------------------

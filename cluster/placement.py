@@ -22,10 +22,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LauncherName = Literal["local", "processes", "slurm", "kubernetes"]
+LauncherName = Literal["local", "processes", "slurm", "kubernetes", "prefect"]
 """local: every stage in the driver's process. processes: placed stages as local processes
 (worker processes, torchrun). slurm: placed stages as `srun` steps of the allocation the driver
-runs in. kubernetes: placed stages as Indexed Jobs (needs kubectl and a shared volume)."""
+runs in. kubernetes: placed stages as Indexed Jobs (needs kubectl and a shared volume). prefect:
+placed stages with a `work_pool` as runs of the `rlpipe-stage/<pool>` deployment, picked up by
+that pool's workers (which start the stage's processes as `processes` would); the others as
+`processes`."""
 
 #: The settings of the `launch` section that are not stage names.
 SETTINGS = ("launcher", "kubernetes", "stages")
@@ -51,6 +54,10 @@ class StagePlacement(_Spec):
     """'ranks' stages: GPUs per node (0: CPU ranks over gloo)."""
     cpus_per_task: int = Field(1, ge=1)
     """CPU cores per process: its OMP_NUM_THREADS, Slurm's --cpus-per-task."""
+    work_pool: str | None = None
+    """prefect launcher: the Prefect work pool whose workers run this stage (a deployment
+    `rlpipe-stage/<pool>`, made by `python -m rlpipe.flows.deploy --stage-pool <pool>`); the run
+    directory must be on a filesystem those workers share. None: the driver's machine."""
 
     @property
     def processes(self) -> int:
@@ -128,7 +135,10 @@ class Launch(_Spec):
                         "ranks": "it scales by `nodes` x `ranks_per_node` (one multi-rank job)",
                         "single": "it runs as one process"}[scaling]
                 raise ValueError(f"launch.{name}: {', '.join(bad)} do not apply to {name}: {hint}")
-            if self.launcher == "processes" and p.nodes > 1:
+            if p.work_pool is not None and self.launcher != "prefect":
+                raise ValueError(f"launch.{name}.work_pool: only the prefect launcher routes stages to "
+                                 f"work pools (launch.launcher is {self.launcher})")
+            if self.launcher in ("processes", "prefect") and p.nodes > 1:
                 raise ValueError(f"launch.{name}: nodes={p.nodes}, but the processes launcher runs on "
                                  "this machine; use launcher slurm or kubernetes for several nodes")
         return self

@@ -156,10 +156,20 @@ def run_flow(preset: Preset, run_dir: str | None = None) -> str:
 
 
 @flow(name="rlpipe-stage", log_prints=True)
-def stage_flow(name: str, config: dict, force: bool = False) -> dict:
-    """Run one stage on saved artifacts (config as the stage's YAML would give it)."""
+def stage_flow(name: str, config: dict | None = None, force: bool = False, config_file: str | None = None,
+               placement: dict | None = None) -> dict:
+    """Run one stage on saved artifacts: `config` as the stage's YAML would give it, or
+    `config_file`, a saved `configs/<stage>.yaml` (what the prefect launcher sends to a work
+    pool); with a `placement` (workers, ranks_per_node, ...) as the processes launcher would."""
+    from rlpipe.cluster.launchers import ProcessLauncher
+    from rlpipe.cluster.placement import Launch
     from rlpipe.pipelines.plan import stage_config
+    from rlpipe.schemas.config import load_config
 
-    call = StageCall(name, stage_config(name, config, "flow parameter"), Path.cwd())
-    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(call, force=force)
+    if config_file is not None:
+        call = StageCall(name, load_config(get_stage(name).config_class(), config_file), Path(config_file).parent)
+    else:
+        call = StageCall(name, stage_config(name, config, "flow parameter"), Path.cwd())
+    launcher = ProcessLauncher(Launch(launcher="processes", stages={name: placement})) if placement else run_in_process
+    manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(call, launcher, force=force)
     return {"stage": name, "content_hash": manifest.content_hash, "rows": manifest.rows}

@@ -1,6 +1,7 @@
-"""A real Prefect server on 127.0.0.1 with a process work pool and a worker: a deployment of a
-2-iteration preset (`rlpipe.flows.deploy`) runs to completion, and its per-iteration tables are
-Prefect artifacts readable from the server's API."""
+"""A real Prefect server on 127.0.0.1 with two process work pools and a worker each: a
+deployment of a 2-iteration preset (`rlpipe.flows.deploy`) runs on one pool and routes two
+placed stages to the other (launcher prefect), runs to completion with the artifacts of the
+in-process run, and its per-iteration table is a Prefect artifact readable from the server's API."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _stop(proc: subprocess.Popen, sig: int) -> None:
 
 @pytest.mark.prefect_server
 @pytest.mark.slow
-def test_a_deployment_runs_on_a_real_server_and_worker(tmp_path, launched_preset):
+def test_a_deployment_runs_on_a_real_server_and_routes_stages_to_a_work_pool(tmp_path, launched_preset,
+                                                                             assert_like_in_process):
     port = free_port()
     api = f"http://{LOOPBACK}:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
@@ -65,27 +67,36 @@ def test_a_deployment_runs_on_a_real_server_and_worker(tmp_path, launched_preset
                 pass
             assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(0.5)
-        run = lambda *argv: subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)  # noqa: E731
-        done = run(*PREFECT, "work-pool", "create", "rlpipe-test", "--type", "process")
-        assert done.returncode == 0, done.stdout + done.stderr
+        run = lambda *argv: subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=330)  # noqa: E731
+        for pool in ("rlpipe-driver", "rlpipe-stages"):
+            done = run(*PREFECT, "work-pool", "create", pool, "--type", "process")
+            assert done.returncode == 0, done.stdout + done.stderr
         run_dir = tmp_path / "runs" / "mini"
-        done = run(sys.executable, "-m", "rlpipe.flows.deploy", "--pool", "rlpipe-test", "--name", "mini",
-                   "--preset", str(launched_preset(tmp_path / "mini.yaml")), "--run-dir", str(run_dir))
+        # Reference on 2 worker processes and optimize on 2 torchrun ranks, both on the stage pool.
+        launch = {"launcher": "prefect", "reference": {"workers": 2, "work_pool": "rlpipe-stages"},
+                  "optimize": {"ranks_per_node": 2, "work_pool": "rlpipe-stages"}}
+        done = run(sys.executable, "-m", "rlpipe.flows.deploy", "--pool", "rlpipe-driver", "--name", "mini",
+                   "--stage-pool", "rlpipe-stages", "--preset", str(launched_preset(tmp_path / "mini.yaml", launch)),
+                   "--run-dir", str(run_dir))
         assert done.returncode == 0, done.stdout + done.stderr
-        # The worker ignores SIGTERM while it runs flows: stop it with SIGINT.
-        procs.append((_start([*PREFECT, "worker", "start", "--pool", "rlpipe-test"], env,
-                             tmp_path / "worker.log"), signal.SIGINT))
-        done = run(*PREFECT, "deployment", "run", "rlpipe-run/mini", "--watch",
-                   "--watch-timeout", "110")
-        worker_log = (tmp_path / "worker.log").read_text()[-4000:]
-        assert done.returncode == 0 and "Completed" in done.stdout, done.stdout + done.stderr + worker_log
+        # The workers ignore SIGTERM while they run flows: stop them with SIGINT.
+        for pool in ("rlpipe-driver", "rlpipe-stages"):
+            procs.append((_start([*PREFECT, "worker", "start", "--pool", pool], env, tmp_path / f"{pool}.log"),
+                          signal.SIGINT))
+        done = run(*PREFECT, "deployment", "run", "rlpipe-run/mini", "--watch", "--watch-timeout", "300")
+        logs = "".join((tmp_path / f"{pool}.log").read_text()[-3000:] for pool in ("rlpipe-driver", "rlpipe-stages"))
+        assert done.returncode == 0 and "Completed" in done.stdout, done.stdout + done.stderr + logs
 
-        arts = _api(f"{api}/artifacts/filter", {"artifacts": {"key": {"any_": ["mini-iter-0000", "mini-iter-0001"]}}})
-        by_key = {a["key"]: a["data"] for a in arts}
-        assert sorted(by_key) == ["mini-iter-0000", "mini-iter-0001"]
-        for k, table in enumerate((by_key["mini-iter-0000"], by_key["mini-iter-0001"])):
-            assert f"### mini: iteration {k + 1}" in table and "| reward_mean |" in table
-        assert (run_dir / "iter_0001" / "policy" / "_manifest.json").is_file()
+        # Each iteration's reference and optimize ran as a flow run of rlpipe-stage/rlpipe-stages.
+        runs = _api(f"{api}/flow_runs/filter", {"work_pools": {"name": {"any_": ["rlpipe-stages"]}}})
+        assert sorted(r["parameters"]["name"] for r in runs) == ["optimize", "optimize", "reference", "reference"]
+        assert all(r["state_type"] == "COMPLETED" for r in runs)
+        assert_like_in_process(run_dir)
+
+        from rlpipe.pipelines.report import run_table
+
+        [table] = _api(f"{api}/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["mini-iterations"]}}})
+        assert json.loads(table["data"]) == run_table(run_dir).to_dicts() and run_table(run_dir).height == 2
     finally:
         for proc, sig in reversed(procs):
             _stop(proc, sig)
