@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any, Literal
 
 Launcher = Literal["torchrun", "deepspeed"]
+
+#: Where single-machine launches rendezvous: nothing listens on a network address.
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now (the OS picks it; closed again before the launch binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def deepspeed_template(stage: int) -> dict[str, Any]:

@@ -39,14 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from rlpipe.cluster.launch import local_env, stage_command, torchrun_executable
+from rlpipe.cluster.launch import LOOPBACK, free_port, local_env, stage_command, torchrun_executable
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.runs import iteration_index
 from rlpipe.stages import get_stage
 
-LOOPBACK = "127.0.0.1"
 LOG_TAIL_LINES = 40
 
 
@@ -135,13 +134,6 @@ def _last_error(log: Path) -> str:
 
 
 _ERROR_LINE = re.compile(r"(^|\s)(\w+(Error|Exception)|error): ")
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A port free on `host` now (the OS picks it; closed again before the launch binds it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def stage_argv(call: StageCall, force: bool) -> list[str]:

@@ -18,12 +18,13 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from rlpipe.cluster.launch import free_port
 
 BINARIES = ("sbatch", "srun", "sinfo", "slurmctld", "slurmd", "munged", "mungekey")
 PACKAGES = ("slurm-wlm", "munge")
@@ -84,11 +85,6 @@ def install() -> None:
         raise SlurmUnavailable(f"installed {' '.join(PACKAGES)}, but {', '.join(missing())} is still missing")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def env_for(state: Path) -> dict[str, str]:
     """This process's environment pointed at the cluster in `state` (SLURM_CONF)."""
@@ -112,7 +108,7 @@ def up(state: Path = DEFAULT_STATE, *, cpus: int | None = None, timeout: float =
     (state / "munge").chmod(0o700)
     memory_mb = max(1000, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2)
     (state / "slurm.conf").write_text(SLURM_CONF.format(
-        s=state, ctld_port=_free_port(), d_port=_free_port(), cpus=cpus or os.cpu_count() or 1,
+        s=state, ctld_port=free_port(), d_port=free_port(), cpus=cpus or os.cpu_count() or 1,
         memory_mb=memory_mb))
     env = env_for(state)
     key = state / "munge" / "munge.key"

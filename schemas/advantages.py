@@ -14,18 +14,14 @@ the `reward` column keeps R unpenalised. The manifest's `extra` holds the batch 
 import pyarrow as pa
 
 from rlpipe.schemas.columns import LOGPROBS, ArtifactSchema, Column
-from rlpipe.schemas.rollouts import ROLLOUTS
+from rlpipe.schemas.rollouts import AS_IN_ROLLOUTS, ROLLOUTS
 
 ADVANTAGES = ArtifactSchema(
     name="advantages",
     version=1,
     doc="Advantages (and returns, values, reference log-probs, KL) per rollout; same keys as rollouts.",
     columns=(
-        Column("run", pa.string(), "Run name, as in rollouts."),
-        Column("iteration", pa.int32(), "Iteration, as in rollouts."),
-        Column("prompt_id", pa.string(), "prompt_id, as in rollouts."),
-        Column("group_id", pa.int64(), "group_id, as in rollouts."),
-        Column("sample_index", pa.int32(), "sample_index, as in rollouts."),
+        *(AS_IN_ROLLOUTS[c] for c in ("run", "iteration", "prompt_id", "group_id", "sample_index")),
         Column("reward", pa.float32(), "Sequence reward R from the scores artifact (before any KL penalty)."),
         Column(
             "advantage",

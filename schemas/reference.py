@@ -5,20 +5,16 @@ Shards: one per rollouts shard, same index and row order. Written by the `refere
 (`rlpipe.stages.reference`).
 """
 
-import pyarrow as pa
 
 from rlpipe.schemas.columns import LOGPROBS, ArtifactSchema, Column
-from rlpipe.schemas.rollouts import ROLLOUTS
+from rlpipe.schemas.rollouts import AS_IN_ROLLOUTS, ROLLOUTS
 
 REFERENCE = ArtifactSchema(
     name="reference",
     version=1,
     doc="Per-token reference-model log-probs and critic values of rollouts; same keys as rollouts.",
     columns=(
-        Column("run", pa.string(), "Run name, as in rollouts."),
-        Column("iteration", pa.int32(), "Iteration, as in rollouts."),
-        Column("group_id", pa.int64(), "group_id, as in rollouts."),
-        Column("sample_index", pa.int32(), "sample_index, as in rollouts."),
+        *(AS_IN_ROLLOUTS[c] for c in ("run", "iteration", "group_id", "sample_index")),
         Column(
             "ref_logprobs",
             LOGPROBS,

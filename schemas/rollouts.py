@@ -28,6 +28,17 @@ SAMPLING = pa.struct(
 )
 
 GREEDY_SAMPLE_INDEX = -1
+
+#: The columns the per-rollout artifacts (scores, reference, advantages) copy from rollouts: their
+#: row key, and what they repeat, declared once so types and docs cannot drift apart.
+AS_IN_ROLLOUTS = {c.name: c for c in (
+    Column("run", pa.string(), "Run name, as in rollouts."),
+    Column("iteration", pa.int32(), "Iteration, as in rollouts."),
+    Column("prompt_id", pa.string(), "prompt_id, as in rollouts."),
+    Column("group_id", pa.int64(), "group_id, as in rollouts."),
+    Column("sample_index", pa.int32(), "sample_index, as in rollouts."),
+    Column("finish_reason", pa.string(), "finish_reason, as in rollouts."),
+)}
 """`sample_index` of a group's greedy baseline response (see the module docstring)."""
 
 ROLLOUTS = ArtifactSchema(

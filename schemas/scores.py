@@ -7,20 +7,16 @@ R = sum_k w_k * r_k (docs/algorithms.md#rewards). Each component r_k (unweighted
 import pyarrow as pa
 
 from rlpipe.schemas.columns import ArtifactSchema, Column, ColumnFamily
-from rlpipe.schemas.rollouts import ROLLOUTS
+from rlpipe.schemas.rollouts import AS_IN_ROLLOUTS, ROLLOUTS
 
 SCORES = ArtifactSchema(
     name="scores",
     version=1,
     doc="Rewards of rollouts: one row per rollout row, same keys.",
     columns=(
-        Column("run", pa.string(), "Run name, as in rollouts."),
-        Column("iteration", pa.int32(), "Iteration, as in rollouts."),
-        Column("prompt_id", pa.string(), "prompt_id, as in rollouts."),
-        Column("group_id", pa.int64(), "group_id, as in rollouts."),
-        Column("sample_index", pa.int32(), "sample_index, as in rollouts."),
+        *(AS_IN_ROLLOUTS[c] for c in ("run", "iteration", "prompt_id", "group_id", "sample_index")),
         Column("response_length", pa.int32(), "Number of response tokens T_i (for length metrics and shaping)."),
-        Column("finish_reason", pa.string(), "finish_reason, as in rollouts."),
+        AS_IN_ROLLOUTS["finish_reason"],
         Column("reward", pa.float32(), "Total sequence reward R = sum_k w_k * r_k."),
     ),
     families=(

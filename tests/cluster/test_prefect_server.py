@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.cluster.launchers import LOOPBACK, free_port
+from rlpipe.cluster.launch import LOOPBACK, free_port
 
 #: The Prefect command line of this interpreter (its `prefect` script may live in another venv).
 PREFECT = [sys.executable, "-m", "prefect"]

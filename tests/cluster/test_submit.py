@@ -10,6 +10,7 @@ import time
 import pytest
 import yaml
 
+from rlpipe.cluster.launch import free_port
 from rlpipe.cluster.submit import JobSpec, main, module_for, render_k8s, render_slurm
 
 
@@ -75,13 +76,6 @@ def test_cli_prints_and_rejects(capsys, tmp_path):
     assert main(["k8s", "--stage", "nope"]) == 2
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # A real one-node Slurm cluster: the `slurm_cluster` fixture (tests/cluster/conftest.py).
 @pytest.mark.slurm
@@ -89,7 +83,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_real_slurm_runs_a_rendered_two_rank_job(slurm_cluster, tmp_path):
     """sbatch a rendered job: 2 Slurm tasks (ranks) on the one node all-reduce over gloo."""
-    spec = JobSpec(stage="smoke", nodes=1, gpus_per_node=0, ranks_per_node=2, master_port=_free_port(),
+    spec = JobSpec(stage="smoke", nodes=1, gpus_per_node=0, ranks_per_node=2, master_port=free_port(),
                    workdir=str(tmp_path), python=sys.executable, log_dir=str(tmp_path), time="00:05:00")
     script = tmp_path / "job.sbatch"
     script.write_text(render_slurm(spec))

@@ -9,7 +9,6 @@ Adam's first update would hide).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -17,17 +16,12 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from rlpipe.cluster.launch import local_env, stage_command, torchrun_executable
+from rlpipe.cluster.launch import free_port, local_env, stage_command, torchrun_executable
 from rlpipe.stages.optimize.run import run
 
 STAGES = (0, 2, 3)
 DRIVER = Path(__file__).with_name("torchrun_driver.py")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.integration
@@ -45,7 +39,7 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, artifacts, tiny_
         path = tmp_path / f"z{z}_2x2.yaml"
         path.write_text(yaml.safe_dump(configs[(z, "2x2")].resolved()))
         yamls.append(str(path))
-    cmd = stage_command("optimize", nproc_per_node=2, master_port=_free_port())
+    cmd = stage_command("optimize", nproc_per_node=2, master_port=free_port())
     # the same launcher line, with the driver script in place of `-m rlpipe.stages.optimize`
     cmd = [torchrun_executable(), *cmd[1:cmd.index("-m")], str(DRIVER), *yamls]
     env = local_env(threads_per_rank=1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from rlpipe.cluster.launch import free_port
 from rlpipe.stages.optimize.run import clear_warm, run
 
 pytestmark = pytest.mark.train_state
@@ -122,11 +122,6 @@ def json_global_steps(state: Path) -> int:
     return json.loads((state / "topology.json").read_text())["global_steps"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.integration
 @pytest.mark.slow
@@ -143,7 +138,7 @@ def test_two_ranks_zero2_then_one_rank_zero0(tmp_path, tiny_tokenizer, tiny_poli
         path = tmp_path / f"{cfg.output.name}.yaml"
         path.write_text(yaml.safe_dump(cfg.resolved()))
         yamls.append(str(path))
-    cmd = stage_command("optimize", nproc_per_node=2, master_port=_free_port())
+    cmd = stage_command("optimize", nproc_per_node=2, master_port=free_port())
     cmd = [torchrun_executable(), *cmd[1:cmd.index("-m")], str(DRIVER), *yamls]
     env = local_env(threads_per_rank=1)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), os.getcwd()]))
