@@ -56,26 +56,29 @@ def main() -> None:
         print(f"running the demo ({args.iterations} iterations) into {run} ...", flush=True)
         Pipeline(load_preset("demo", [f"iterations={args.iterations}"]), run, log=lambda s: None).run()
 
-    per_stage: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])  # wall, verify, bytes, n
-    seen: set[Path] = set()
+    # One entry per stage run: a stage with several outputs (optimize: policy, metrics, train
+    # state) shares one cache key; its wall time is the longest of its manifests' (the last one
+    # written), its inputs are the same for all.
+    runs: dict[tuple[str, str | None], tuple[float, list[Path]]] = {}
     for m in sorted(run.rglob(MANIFEST_NAME)):
         folder = m.parent
         if any(p.startswith(".") for p in folder.relative_to(run).parts):
             continue
         manifest = read_manifest(folder)
-        # A stage with several outputs (optimize: policy, metrics, train state) is counted once:
-        # by the output that holds its wall time first; its inputs are the same for all.
-        key = (manifest.stage, manifest.cache_key)
-        if key in seen or manifest.wall_time_s <= 0:
-            continue
-        seen.add(key)
         # Input paths as the stage was given them (absolute in a pipeline run); a file input (a
         # preset's data file) has no manifest to verify against.
         inputs = [Path(ref.path) for ref in manifest.inputs.values()]
         inputs = [p for p in inputs if (p / MANIFEST_NAME).is_file()]
+        key = (manifest.stage, manifest.cache_key)
+        runs[key] = (max(manifest.wall_time_s, runs.get(key, (0.0, []))[0]), inputs)
+
+    per_stage: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])  # wall, verify, bytes, n
+    for (stage, _), (wall, inputs) in runs.items():
+        if wall <= 0:
+            continue
         seconds, size = verify_inputs(inputs, args.repeat)
-        row = per_stage[manifest.stage]
-        row[0] += manifest.wall_time_s
+        row = per_stage[stage]
+        row[0] += wall
         row[1] += seconds
         row[2] += size
         row[3] += 1
