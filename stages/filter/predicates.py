@@ -8,11 +8,11 @@ dispatches on the variant's `name`.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rlpipe.schemas.config import Variant
 from rlpipe.stages.common.cli import import_function
 from rlpipe.stages.filter.config import AllEqualPredicate, CustomPredicate, PredicateConfig
 
@@ -21,19 +21,11 @@ GROUP_PREDICATES: dict[str, tuple[type, GroupPredicate]] = {}
 """name -> (config variant, predicate `fn(rewards, **knobs)`)."""
 
 
-def register_predicate(config: type) -> Callable[[GroupPredicate], GroupPredicate]:
+def register_predicate(config: type[Variant]) -> Callable[[GroupPredicate], GroupPredicate]:
     """Register a predicate under its config variant's name; the variant's fields (but `name`)
     must be the function's keyword parameters. Registering a name twice raises."""
-    name = config.model_fields["name"].default
-
     def deco(fn: GroupPredicate) -> GroupPredicate:
-        if name in GROUP_PREDICATES:
-            raise ValueError(f"group predicate {name!r} is already registered")
-        knobs = set(config.model_fields) - {"name"}
-        params = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
-        if params != knobs:
-            raise TypeError(f"{fn.__qualname__} takes keywords {sorted(params)} but {config.__name__} "
-                            f"has knobs {sorted(knobs)}")
+        name = config.check_function(fn, GROUP_PREDICATES, "group predicate")
         GROUP_PREDICATES[name] = (config, fn)
         return fn
 
