@@ -15,6 +15,7 @@ the train state carries, beside the frozen base weights in its module state).
   log-probs of a LoRA run (no second copy of the weights).
 - `merged_model`: a plain Hugging Face model with W + (alpha / r) B A (what rollout / vLLM load).
 - `save_adapter`: adapter_config.json + adapter_model.safetensors (peft's format).
+- `check_state`: a train state continues only a run with the same LoRA knobs.
 - `base_record`: which checkpoint the adapters sit on, for the manifest.
 """
 
@@ -139,6 +140,17 @@ def save_adapter(model: Any, out_dir: Path) -> Path:
     state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
     save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def check_state(state: Path, lora: dict[str, Any] | None) -> None:
+    """A train state continues only a run with the same LoRA knobs: its module holds the adapters
+    of that shape and scale (or none), and alpha / r scales what they add."""
+    from rlpipe.schemas import read_manifest
+
+    saved = read_manifest(state).config.get("lora")
+    if saved != lora:
+        raise ValueError(f"train_state {state} was saved with optimize.lora = {saved} but this run has {lora}: "
+                         "set optimize.lora as the run that saved it, or leave train_state unset to start afresh")
 
 
 def base_record(policy: Path, continued: bool) -> dict[str, str]:

@@ -155,7 +155,10 @@ def _engines(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Input
     pol.rlpipe_knobs = knobs
     rng = None
     if state is not None:
+        from rlpipe.stages.optimize.lora import check_state
         from rlpipe.stages.optimize.state import load_engines
+
+        check_state(Path(state.path), config.resolved()["lora"])
 
         rng = load_engines({"policy": pol, **({"critic": crit} if crit is not None else {})}, Path(state.path))
     return pol, crit, tokenizer, rng

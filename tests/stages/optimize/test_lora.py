@@ -191,7 +191,7 @@ def test_train_state_resume_equals_an_uninterrupted_run(tmp_path, tiny_tokenizer
     assert want > 1e-5 and got == pytest.approx(want, abs=1e-7)
 
 
-def test_lora_config_is_checked(tmp_path, artifacts, tiny_policy_dir, make_config):
+def test_lora_config_is_checked(tmp_path, artifacts, tiny_policy_dir, make_config, trained):
     from rlpipe.schemas.config import ConfigError, parse_config
     from rlpipe.stages.optimize.config import OptimizeConfig
 
@@ -203,6 +203,11 @@ def test_lora_config_is_checked(tmp_path, artifacts, tiny_policy_dir, make_confi
     cfg = make_config(tmp_path, artifacts, tiny_policy_dir, lora={"target_modules": ["no_such_proj"]})
     with pytest.raises(ValueError, match="no_such_proj"):
         run(cfg)
+    # A train state continues only the LoRA knobs it was saved with (here r 4, alpha 8).
+    for lora in ({"r": 8, "alpha": 8.0}, None):
+        cfg = make_config(tmp_path, artifacts, tiny_policy_dir, lora=lora, train_state=trained[0].train_state_output)
+        with pytest.raises(ValueError, match="saved with optimize.lora"):
+            run(cfg)
     clear_warm()
 
 
