@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from rlpipe.schemas.config import (
     Assigned,
@@ -72,6 +72,24 @@ LossConfig = Annotated[
     BeforeValidator(name_shorthand),
 ]
 """A policy loss and its knobs: `{name: gspo, eps_high: 5e-4}`, or just its name (`gspo`)."""
+
+
+class LoRAConfig(BaseModel):
+    """LoRA adapters on the policy (peft; stages/optimize/lora.py, docs/algorithms.md#lora):
+    h = W x + (alpha / r) B A x on each targeted linear layer, W frozen, only A and B trained.
+
+    No dropout knob: optimize runs without dropout (the first ratio must be exactly 1 and the PPO
+    ratio free of dropout noise; engine.disable_dropout), so LoRA dropout is 0 too."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    r: int = Field(8, ge=1)
+    """Rank r of the update B A."""
+    alpha: float = Field(16.0, gt=0.0)
+    """alpha of the scale alpha / r of the update."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Layers that get adapters: 'all-linear' (peft: every linear layer but the output head, on
+    any architecture), or module-name suffixes such as [q_proj, v_proj]."""
 
 
 class OptimizeConfig(StageConfig):
@@ -177,6 +195,13 @@ class OptimizeConfig(StageConfig):
     numbers) and runs a separate no-grad forward only for the other rows; 'separate' runs it for
     every row before training."""
 
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of every weight (`{r: 8, alpha: 16}`); None: full fine-tuning.
+    The output checkpoint holds the merged weights (rollout loads a plain model) and the adapter
+    in output/adapter/; the train state carries the adapters, their AdamW state and the frozen
+    base; with kl_beta > 0 and no reference log-probs given, the reference is the same model with
+    its adapters disabled. Needs peft (`pip install 'rlpipe[lora]'`); ZeRO 0-2."""
+
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage (the template cluster/deepspeed/zero<stage>.json)."""
     gradient_checkpointing: bool = False
@@ -195,6 +220,9 @@ class OptimizeConfig(StageConfig):
                              "run: iterations x epochs x rows / minibatch_size)")
         if self.total_steps is not None and self.warmup_steps >= self.total_steps and self.lr_schedule != "constant":
             raise ValueError(f"warmup_steps {self.warmup_steps} must be < total_steps {self.total_steps}")
+        if self.lora is not None and self.zero_stage == 3:
+            raise ValueError("lora: ZeRO 3 is not supported (it would partition the frozen base and the adapters "
+                             "alike); use zero_stage 0-2: the adapters' optimizer state is small")
         if self.minibatch_size is not None and self.minibatch_size % self.micro_batch_size:
             raise ValueError(
                 f"minibatch_size {self.minibatch_size} is not a multiple of micro_batch_size {self.micro_batch_size}"

@@ -67,7 +67,7 @@ def run(config: OptimizeConfig, start: StageStart) -> Manifest:
 
     d = init_distributed()
     batch = load_batch(config.rollouts, config.advantages, config.reference,
-                       need_ref=config.kl_beta > 0, need_values=config.critic is not None)
+                       need_ref=config.kl_beta > 0 and config.lora is None, need_values=config.critic is not None)
     n = len(batch)
     minibatch = config.minibatch_size or n
     schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
@@ -79,6 +79,13 @@ def run(config: OptimizeConfig, start: StageStart) -> Manifest:
 
     pol, crit, tokenizer, rng = _engines(E, config, dscfg, inputs.get("train_state"))
     pad_id = tokenizer.pad_token_id
+    if config.lora is not None and batch.ref_logp is None and config.kl_beta > 0:
+        from rlpipe.stages.optimize.lora import adapters_disabled
+
+        # The reference of a LoRA run is its base: the same model with the adapters off (no copy).
+        with adapters_disabled(pol):
+            ref = _recompute_old_logprobs(E, pol, batch, schedules[0], pad_id, d.world_size)
+        batch.ref_logp = [ref[i] for i in range(n)]
     timing = {"setup_s": time.time() - started}
     # The stage's torch RNG is the train state's (seeded on a fresh start), forked so that the
     # stages around it in one process see the global RNG as if optimize had not run.
@@ -104,7 +111,7 @@ def _engine_knobs(config: OptimizeConfig, dscfg: dict[str, Any]) -> str:
     """Everything an engine is built from besides the state it holds: equal knobs and an equal
     state mean the warm engine is the one a cold build + load_checkpoint would give."""
     keys = ("lr", "critic_lr", "weight_decay", "betas", "lr_schedule", "warmup_steps", "total_steps",
-            "min_lr_ratio", "zero_stage", "dtype", "gradient_checkpointing", "seed")
+            "min_lr_ratio", "zero_stage", "dtype", "gradient_checkpointing", "seed", "lora")
     knobs = {k: getattr(config, k) for k in keys}
     return json.dumps({**knobs, "critic": config.critic is not None, "deepspeed": dscfg}, sort_keys=True, default=str)
 
@@ -129,6 +136,10 @@ def _engines(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Input
         return pol, crit, load_model(config.policy)[1], rng  # the tokenizer (the policy is cached)
     # Trainable copies: never train a model from the shared in-process cache.
     policy, tokenizer = load_model(config.policy, cache=False)
+    if config.lora is not None:  # the adapters (and, continued from a state, the base) come from the state
+        from rlpipe.stages.optimize.lora import wrap
+
+        policy = wrap(policy, **config.lora.model_dump(), seed=config.seed)
 
     def schedule(s: int) -> float:
         return lr_factor(s, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.total_steps,
@@ -144,7 +155,10 @@ def _engines(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Input
     pol.rlpipe_knobs = knobs
     rng = None
     if state is not None:
+        from rlpipe.stages.optimize.lora import check_state
         from rlpipe.stages.optimize.state import load_engines
+
+        check_state(Path(state.path), config.resolved()["lora"])
 
         rng = load_engines({"policy": pol, **({"critic": crit} if crit is not None else {})}, Path(state.path))
     return pol, crit, tokenizer, rng
@@ -344,13 +358,32 @@ def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef]
         if engine is None:
             continue
         out = Path(out)
+        lora = kind == "causal" and config.lora is not None
         with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
-            copy = ds.save_pretrained(engine, tokenizer, staging, rank)
+            copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None)
             if rank == 0:
+                extra = {"metrics": summary, "kind": kind, "timing": timing}
+                if lora:
+                    extra["lora"] = _save_adapter(config, engine.module, staging, inputs)
                 commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
-                                 extra={"metrics": summary, "kind": kind, "timing": timing}, wall_time_s=time.time() - started)
+                                 extra=extra, wall_time_s=time.time() - started)
         if rank == 0:
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
     return read_manifest(config.output)
 
+
+def _merged(module: Any) -> Any:
+    from rlpipe.stages.optimize.lora import merged_model
+
+    return merged_model(module)
+
+
+def _save_adapter(config: OptimizeConfig, module: Any, staging: Path, inputs: dict[str, InputRef]) -> dict[str, Any]:
+    """A LoRA policy checkpoint's adapter (staging/adapter/) and its manifest record."""
+    from rlpipe.stages.optimize import lora
+
+    lora.save_adapter(module, staging / lora.ADAPTER_DIR)
+    trainable, total = lora.parameter_counts(module)
+    return {"adapter": lora.ADAPTER_DIR, **config.lora.model_dump(), "trainable_parameters": trainable,
+            "total_parameters": total, "base": lora.base_record(config.policy, "train_state" in inputs)}
