@@ -248,7 +248,8 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
     for rows in micro_batches:
         packed = _pack(E, batch, rows, pad_id)
         T = packed.mask.shape[1]
-        logp, entropy = E.policy_forward(pol, packed, entropy_grad=obj.entropy_coef > 0)
+        # TRPO differentiates the bare module (the engine's forward hooks expect engine.backward)
+        logp, entropy = E.policy_forward(pol if trpo is None else pol.module, packed, entropy_grad=obj.entropy_coef > 0)
         if rows[0] in old_logp:
             old = pad_rows(old_logp, rows, T).to(dev)
         else:  # first step, before any update: the old log-probs are this forward's (detached)

@@ -7,8 +7,8 @@ reads and writes the parameters where the engine keeps them:
   shares that carry the step's GLOBAL token count, all-reduced over the data-parallel ranks: every
   rank then holds the same g and F v, runs the same conjugate gradient and line search on the
   same numbers, and takes the same step (2 ranks x 4 rows == 1 rank x 8 rows).
-- No DeepSpeed backward and no optimizer step: torch.autograd.grad leaves the engine's gradient
-  buffers alone, and the step is written to the weights the engine's optimizer owns, the fp32
+- No DeepSpeed forward/backward and no optimizer step: the bare module's forward and
+  torch.autograd.grad leave the engine's hooks and gradient buffers alone, and the step is written to the weights the engine's optimizer owns, the fp32
   masters, and from them to the module's (bf16 or fp32) weights, so a train state saved afterwards
   (and DeepSpeed's loading, which restores module weights from the masters) holds the new policy:
     * ZeRO 0, fp32: the module parameters are the masters (torch AdamW steps them in place).
@@ -89,7 +89,9 @@ class TRPOStep:
         self.micro.append(_Micro(batch, micro_loss))
 
     def _logits(self, batch: PackedBatch) -> torch.Tensor:
-        return self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        # The bare module (whole parameters at ZeRO 0/1): the engine's forward registers output
+        # hooks that scale gradients for accumulation and expect engine.backward.
+        return self.engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
     def _kl_terms(self) -> Iterator[torch.Tensor]:
         """Each micro-batch's share of KLbar(old || theta) with pi_old = the current pi, detached
