@@ -43,7 +43,7 @@ def test_truncated_importance_sampling_golden():
     # l_t = -1.1 A_t w_t: row 0 -1.1 * (1 + 2 + 0.5) = -3.85, row 1 +1.1 * (3 + 1) = 4.4;
     # token-mean over N = 5: 0.55 / 5 = 0.11.
     logp, loss, stats = _loss(tis_cap=3.0)
-    assert float(loss) == pytest.approx(0.11, abs=1e-12)
+    assert float(loss.detach()) == pytest.approx(0.11, abs=1e-12)
     assert float(stats["tis_weight_mean"]) == pytest.approx((1 + 2 + 0.5 + 3 + 1) / 5, abs=1e-12)
     assert float(stats["tis_clip_fraction"]) == pytest.approx(1 / 5, abs=1e-12)
     assert float(stats["mismatch_masked_fraction"]) == 0.0
@@ -97,25 +97,33 @@ def test_config_needs_recomputed_old_logprobs(tmp_path):
             OptimizeConfig(**base, **knob, recompute_old_logprobs=False)
 
 
+def _between(values: list[float]) -> float:
+    """A cut between the two middle values (far from both, so float noise cannot flip a side)."""
+    v = sorted(values)
+    return (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
 @pytest.mark.integration
 def test_stage_logs_the_correction(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
-    """The stage feeds the rollouts' log-probs in: the masked fraction it logs is the one computed
-    here from the trainer's log-probs of the input policy (an independent forward)."""
+    """The stage feeds the rollouts' log-probs in: the masked and clipped fractions it logs are the
+    ones computed here from the trainer's log-probs of the input policy (an independent forward)."""
     from rlpipe.schemas import read_table_artifact
     from rlpipe.stages.common.forward import teacher_forced_logprobs
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.optimize.run import run
 
-    threshold = 2.0
-    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, "tis", tis_cap=2.0, mismatch_mask=threshold,
-                      micro_batch_size=16)
-    run(cfg)
-    step = read_metrics(cfg.metrics_output)[1]
     ro = read_table_artifact(artifacts["rollouts"], "rollouts").to_pydict()
     model, tok = load_model(tiny_policy_dir)
     trainer = teacher_forced_logprobs(model, ro["prompt_token_ids"], ro["response_token_ids"], tok.pad_token_id)
-    gaps = [float(np.abs(np.asarray(t) - np.asarray(r)).mean()) for t, r in zip(trainer, ro["response_logprobs"], strict=True)]
-    expected = np.mean([g > threshold for g in gaps])
-    assert 0.0 < expected < 1.0, gaps  # the synthetic rollout log-probs make both cases occur
-    assert step["mismatch_masked_fraction"] == pytest.approx(expected, abs=1e-9)
-    assert 0.0 < step["tis_clip_fraction"] < 1.0
+    diffs = [np.asarray(t, dtype=np.float64) - np.asarray(r, dtype=np.float64)
+             for t, r in zip(trainer, ro["response_logprobs"], strict=True)]
+    gaps = [float(np.abs(d).mean()) for d in diffs]
+    ratios = np.exp(np.concatenate(diffs))
+    threshold, cap = _between(gaps), _between(ratios.tolist())
+    cfg = make_config(tmp_path, artifacts, tiny_policy_dir, "tis", tis_cap=cap, mismatch_mask=threshold,
+                      micro_batch_size=16)
+    run(cfg)
+    step = read_metrics(cfg.metrics_output)[1]
+    assert step["mismatch_masked_fraction"] == pytest.approx(np.mean([g > threshold for g in gaps]), abs=1e-9)
+    assert step["tis_clip_fraction"] == pytest.approx(np.mean(ratios > cap), abs=1e-9)
+    assert 0.3 < step["mismatch_masked_fraction"] < 0.7 and 0.3 < step["tis_clip_fraction"] < 0.7
