@@ -237,3 +237,38 @@ def test_two_ranks_equal_one_rank_under_zero_0_and_1(tmp_path, artifacts, tiny_p
     # ZeRO 1 keeps its masters in partitions: the same update as ZeRO 0's
     z0, z1 = (load_file(configs[(z, 1)].output / "model.safetensors") for z in (0, 1))
     assert max((z0[k] - z1[k]).abs().max().item() for k in z0) <= 1e-5
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bf16_step_goes_to_the_fp32_masters(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+    """In bf16 the step is written to the engine's fp32 masters (ZeRO 0: the unfused optimizer's
+    fp32 copies; ZeRO 1: this rank's flat partition), and the module holds them rounded."""
+    from rlpipe.stages.optimize.run import clear_warm, run
+    from rlpipe.stages.optimize.state import master_weights
+
+    start = {k: v.bfloat16().float() for k, v in load_file(Path(tiny_policy_dir) / "model.safetensors").items()}
+    masters = {}
+    for z in (0, 1):
+        cfg = make_config(tmp_path, artifacts, tiny_policy_dir, f"bf{z}", zero_stage=z, dtype="bf16", micro_batch_size=16,
+                          loss=TRPO, train_state_output=tmp_path / f"bf{z}_state")
+        run(cfg)
+        clear_warm()
+        assert read_metrics(cfg.metrics_output)[1]["trpo_accepted"] == 1.0
+        masters[z] = {k: v.float() for k, v in master_weights(cfg.train_state_output).items()}
+        saved = load_file(cfg.output / "model.safetensors")
+        names = [k for k in saved if k in masters[z]]
+        assert len(names) == len(saved)
+        for k in names:
+            # the module (and checkpoint) is the masters rounded to bf16
+            assert torch.equal(saved[k].float(), masters[z][k].bfloat16().float()), (z, k)
+        delta = torch.cat([(masters[z][k] - start[k]).flatten() for k in names])
+        assert delta.abs().max() > 0
+        # fp32 masters: most moved values are no bf16 number (a master copied back from the bf16
+        # module would be one, and a step below a weight's bf16 spacing would be lost)
+        moved = torch.cat([masters[z][k].flatten() for k in names])[delta != 0]
+        assert (moved != moved.bfloat16().float()).float().mean() > 0.9, z
+    # the same step whether the masters are whole (ZeRO 0) or partitioned (ZeRO 1): the same bf16
+    # forward passes and fp32 CG, so the same numbers
+    for k in masters[0]:
+        assert torch.allclose(masters[0][k], masters[1][k], rtol=0, atol=1e-6), k
