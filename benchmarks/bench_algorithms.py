@@ -32,8 +32,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 
 
 def _setup_only(run_dir: Path) -> list[Path]:
-    """The set-up parts of a run directory (everything but the iterations and the report)."""
-    return [p for p in run_dir.iterdir() if not p.name.startswith("iter_") and p.name != "report"]
+    """The set-up parts of a run directory (everything but the iterations, the report and the
+    preset file, which names the variant)."""
+    return [p for p in run_dir.iterdir() if not p.name.startswith("iter_") and p.name not in ("report", "preset.yaml")]
 
 
 def main(argv: list[str] | None = None) -> int:

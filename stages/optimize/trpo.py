@@ -34,37 +34,48 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def flat_grad(y: torch.Tensor, params: Sequence[torch.Tensor], *, create_graph: bool = False) -> torch.Tensor:
+def flat_grad(y: torch.Tensor, params: Sequence[torch.Tensor], *, create_graph: bool = False,
+              retain_graph: bool | None = None) -> torch.Tensor:
     """grad_theta y as one vector over `params` (in order; zeros for parameters y does not use), in
     fp32 at least (a bf16 model's gradients are promoted, float64 stays float64).
 
     Uses torch.autograd.grad, never .backward: the parameters' .grad (DeepSpeed's buffers) stay
-    untouched. With create_graph the result is differentiable again (for a Fisher-vector product).
+    untouched. With create_graph the result is differentiable again (for a Fisher-vector product);
+    retain_graph keeps y's graph for another call.
     """
-    grads = torch.autograd.grad(y, list(params), create_graph=create_graph, allow_unused=True)
+    grads = torch.autograd.grad(y, list(params), create_graph=create_graph, retain_graph=retain_graph,
+                                allow_unused=True)
     return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).to(torch.promote_types(p.dtype, torch.float32))
                       for g, p in zip(grads, params, strict=True)])
 
 
-def fisher_vector_product(kl_terms: Iterable[torch.Tensor], params: Sequence[torch.Tensor], v: torch.Tensor, *,
+def kl_gradients(kl_terms: Iterable[torch.Tensor], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """grad_theta of each micro-batch's share of KLbar, with its graph (for fisher_vector_product).
+
+    `kl_terms` yields each micro-batch's share of KLbar (already divided by the global token count,
+    so the shares of every micro-batch on every rank sum to KLbar), each computed with pi_old
+    detached at the current parameters: value 0, gradient 0, and Hessian the Fisher information
+    of the token distributions, F = E_t[J_t^T (diag p - p p^T) J_t] (J_t = d logits_t / d theta).
+    Computed once per step and reused by every conjugate-gradient iteration.
+    """
+    return [flat_grad(kl, params, create_graph=True) for kl in kl_terms]
+
+
+def fisher_vector_product(kl_grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], v: torch.Tensor, *,
                           damping: float, all_reduce: Reduce = _identity) -> torch.Tensor:
     """(F + damping I) v by double backward of the mean KL, summed over micro-batches and ranks.
 
         F v = grad_theta ( (grad_theta KLbar)^T v )        (Pearlmutter's trick, exact at theta_old)
 
-    `kl_terms` yields each micro-batch's share of KLbar (already divided by the global token count,
-    so the shares of every micro-batch on every rank sum to KLbar), each computed with pi_old
-    detached at the current parameters; the Hessian of that KL at the current parameters is the
-    Fisher information matrix of the token distributions, F = E_t[J_t^T (diag p - p p^T) J_t].
-    The damping is added once, after the cross-rank sum.
+    `kl_grads` are `kl_gradients(...)` (one per micro-batch, graphs kept). The damping is added
+    once, after the cross-rank sum.
 
     Shape:
         v (P,) -> (P,), P the number of parameters.
     """
     out = torch.zeros_like(v)
-    for kl in kl_terms:
-        g = flat_grad(kl, params, create_graph=True)
-        out += flat_grad(g @ v.to(g.dtype), params)
+    for g in kl_grads:
+        out += flat_grad(g @ v.to(g.dtype), params, retain_graph=True)
     return all_reduce(out) + damping * v
 
 

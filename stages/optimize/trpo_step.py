@@ -40,6 +40,7 @@ from rlpipe.stages.optimize.trpo import (
     conjugate_gradient,
     fisher_vector_product,
     flat_grad,
+    kl_gradients,
     line_search,
     max_step,
 )
@@ -121,11 +122,14 @@ class TRPOStep:
         g = _all_reduce(self.grad)
         loss_old = float(_all_reduce(self.loss_old.to(g.device)))
 
+        # Double backward through attention: the math SDPA kernel is twice differentiable. The
+        # KL gradients' graphs are built once and kept for every CG iteration (one double-backward
+        # pass per Fisher-vector product instead of a forward and two backward passes).
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            kl_grads = kl_gradients(self._kl_terms(), self.params)
+
         def fvp(v: torch.Tensor) -> torch.Tensor:
-            # Double backward through attention: the math SDPA kernel is twice differentiable.
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                return fisher_vector_product(self._kl_terms(), self.params, v, damping=k.cg_damping,
-                                             all_reduce=_all_reduce)
+            return fisher_vector_product(kl_grads, self.params, v, damping=k.cg_damping, all_reduce=_all_reduce)
 
         # x ~ -(F + lambda I)^-1 g: the natural-gradient descent direction of L
         x, iters = conjugate_gradient(fvp, -g, iters=k.cg_iters)
@@ -138,6 +142,7 @@ class TRPOStep:
 
         result = line_search(evaluate, loss_old, max_kl=k.max_kl, backtrack_ratio=k.backtrack_ratio,
                              steps=k.backtrack_steps)
+        kl_grads.clear()  # free the graphs before the next step
         if result.fraction is None:
             write_masters(self.engine, self.params, theta_old)  # no step: back to theta_old exactly
         return {

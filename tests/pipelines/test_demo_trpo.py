@@ -12,7 +12,7 @@ from rlpipe.schemas import read_table_artifact
 @pytest.mark.integration
 @pytest.mark.slow
 def test_shortened_trpo_demo_heldout_accuracy_rises(tmp_path):
-    iterations = 12
+    iterations = 8
     preset = load_preset("demo_trpo", [f"iterations={iterations}", "eval_every=0"])
     max_kl = preset.optimize["loss"]["max_kl"]
     run_dir = tmp_path / "demo_trpo"

@@ -25,6 +25,7 @@ from rlpipe.stages.optimize.trpo import (
     conjugate_gradient,
     fisher_vector_product,
     flat_grad,
+    kl_gradients,
     line_search,
     max_step,
 )
@@ -60,10 +61,11 @@ def _exact_fisher(theta: torch.Tensor) -> torch.Tensor:
 
 
 def _fvp(theta: torch.Tensor, damping: float = DAMPING):
+    logp = torch.log_softmax(theta, -1)
+    grads = kl_gradients([categorical_kl(logp.detach(), logp).mean()], [theta])
+
     def fvp(v: torch.Tensor) -> torch.Tensor:
-        old = torch.log_softmax(theta, -1).detach()
-        kl = categorical_kl(old, torch.log_softmax(theta, -1)).mean()
-        return fisher_vector_product([kl], [theta], v, damping=damping)
+        return fisher_vector_product(grads, [theta], v, damping=damping)
     return fvp
 
 
