@@ -47,6 +47,29 @@ class GSPOLoss(Variant):
     """Upper clip range of s_i: 1 + eps_high (the paper's 4e-4)."""
 
 
+class TRPOLoss(Variant):
+    """TRPO (Schulman et al. 2015): maximise the importance-weighted surrogate subject to
+    mean KL(pi_old || pi_new) <= max_kl, by one natural-gradient step per optimizer step (conjugate
+    gradient on Fisher-vector products, then a backtracking line search); see trpo.py.
+
+    The policy is not stepped by AdamW (lr, grad_clip and betas do not apply to it); the critic
+    still is, as in PPO. Needs ZeRO 0 or 1 (the step is computed on the whole flat parameters).
+    """
+
+    name: Literal["trpo"] = "trpo"
+    """Loss name."""
+    max_kl: float = Field(0.01, gt=0.0)
+    """delta: the bound on the mean (over response tokens) KL(pi_old || pi_new) of one step."""
+    cg_iters: int = Field(10, ge=1)
+    """Conjugate-gradient iterations solving (F + damping I) s = g."""
+    cg_damping: float = Field(0.1, ge=0.0)
+    """Damping lambda added to the Fisher: (F + lambda I) v (keeps the solve well conditioned)."""
+    backtrack_ratio: float = Field(0.5, gt=0.0, lt=1.0)
+    """The line search tries step fractions 1, r, r^2, ... of the full step."""
+    backtrack_steps: int = Field(10, ge=1)
+    """How many step fractions the line search tries before giving up (no update)."""
+
+
 class CustomLoss(Variant):
     """A user policy loss `fn(logp, old_logp, advantages, mask, **kwargs)`, imported from `function`.
 
@@ -67,7 +90,7 @@ class CustomLoss(Variant):
 
 
 LossConfig = Annotated[
-    PPOClipLoss | GSPOLoss | CustomLoss,
+    PPOClipLoss | GSPOLoss | TRPOLoss | CustomLoss,
     Field(discriminator="name"),
     BeforeValidator(name_shorthand),
 ]
@@ -132,7 +155,7 @@ class OptimizeConfig(StageConfig):
 
     loss: LossConfig = PPOClipLoss()
     """Policy loss and its knobs, `{name: ..., <knob>: ...}` or a bare name; name: ppo_clip, gspo,
-    custom (a user function)."""
+    trpo (a KL-constrained natural-gradient step instead of AdamW), custom (a user function)."""
     agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens and sequences (denominators are global over ranks and micro-batches)."""
     max_len: int | None = Field(None, ge=1)
@@ -189,6 +212,15 @@ class OptimizeConfig(StageConfig):
     recompute_old_logprobs: bool = True
     """Old log-probs from the training model (the optimize input policy, so the first ratio is
     exactly 1); False: use the rollout engine's log-probs (the rollout policy)."""
+    tis_cap: float | None = Field(None, gt=0.0)
+    """C of truncated importance sampling for the rollout engine / trainer mismatch: the policy
+    loss of token t is multiplied by w_t = min(exp(old_t - rollout_t), C) (detached), old_t the
+    trainer's old log-prob, rollout_t the engine's (`response_logprobs`). None: off. Needs
+    recompute_old_logprobs (else old_t is rollout_t and w_t = 1)."""
+    mismatch_mask: float | None = Field(None, gt=0.0)
+    """Sequence masking: a response whose mean over its tokens of |old_t - rollout_t| exceeds this
+    contributes no policy loss (its KL and entropy terms stay). None: off. Needs
+    recompute_old_logprobs."""
     old_logprobs_forward: Literal["training", "separate"] = "training"
     """With recompute_old_logprobs: 'training' takes the old log-probs of the first optimizer
     step's rows from that step's own forward (detached; before any update they are the same
@@ -223,6 +255,13 @@ class OptimizeConfig(StageConfig):
         if self.lora is not None and self.zero_stage == 3:
             raise ValueError("lora: ZeRO 3 is not supported (it would partition the frozen base and the adapters "
                              "alike); use zero_stage 0-2: the adapters' optimizer state is small")
+        if isinstance(self.loss, TRPOLoss) and self.zero_stage > 1:
+            raise ValueError(f"loss trpo needs zero_stage 0 or 1, got {self.zero_stage}: ZeRO 2/3 partition the "
+                             "gradients (and ZeRO 3 the parameters) over ranks, while the conjugate gradient and "
+                             "the line search work on the whole flat parameter and gradient vectors")
+        if (self.tis_cap is not None or self.mismatch_mask is not None) and not self.recompute_old_logprobs:
+            raise ValueError("tis_cap / mismatch_mask need recompute_old_logprobs: true (without it the old "
+                             "log-probs are the rollout engine's and there is no mismatch to correct)")
         if self.minibatch_size is not None and self.minibatch_size % self.micro_batch_size:
             raise ValueError(
                 f"minibatch_size {self.minibatch_size} is not a multiple of micro_batch_size {self.micro_batch_size}"

@@ -28,12 +28,51 @@ class PolicyObjective:
     entropy_coef: float = 0.0
     kl_clamp: bool = True
     """Clamp k3 (log-ratio to +-20, value to <= 10; stages/advantage/kl.py)."""
+    tis_cap: float | None = None
+    """C of truncated importance sampling, w_t = min(exp(old_t - rollout_t), C); None: off."""
+    mismatch_mask: float | None = None
+    """Drop the policy loss of responses with mean_t |old_t - rollout_t| above this; None: off."""
+
+
+def off_policy_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *,
+                       tis_cap: float | None, mismatch_mask: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token weights correcting the rollout engine / trainer mismatch (detached).
+
+        w_t    = min(exp(old_t - rollout_t), C)                 truncated importance sampling
+        keep_i = [ sum_t m_t |old_t - rollout_t| / T_i <= tau ]  sequence masking (tau = mismatch_mask)
+        weight = w_t * keep_i
+
+    old_t is the trainer's log-prob of the token under the old policy, rollout_t the rollout
+    engine's; the samples came from the engine, so w_t reweights them towards the trainer's old
+    policy, capped at C to bound the variance.
+
+    Returns:
+        (weight, tis_clipped, masked): weight (B, T), zero where masked; tis_clipped (B, T) 1.0
+        where exp(old_t - rollout_t) > C; masked (B,) 1.0 for dropped responses.
+
+    Shape:
+        old_logp, rollout_logp, mask (B, T).
+    """
+    m = mask.to(old_logp.dtype)
+    diff = (old_logp.detach() - rollout_logp) * m
+    ones = torch.ones_like(m)
+    w, clipped = ones, torch.zeros_like(m)
+    if tis_cap is not None:
+        ratio = torch.exp(diff)
+        w = torch.clamp(ratio, max=tis_cap)
+        clipped = (ratio > tis_cap).to(m.dtype) * m
+    masked = torch.zeros(m.shape[0], dtype=m.dtype, device=m.device)
+    if mismatch_mask is not None:
+        gap = diff.abs().sum(-1) / m.sum(-1).clamp(min=1.0)
+        masked = ((gap > mismatch_mask) & (m.sum(-1) > 0)).to(m.dtype)
+    return w * (1.0 - masked).unsqueeze(-1) * m, clipped, masked
 
 
 def policy_micro_loss(obj: PolicyObjective, logp: torch.Tensor, old_logp: torch.Tensor,
                       advantages: torch.Tensor, mask: torch.Tensor, *, token_count: float, seq_count: float,
                       max_len: int | None, ref_logp: torch.Tensor | None = None,
-                      entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      entropy: torch.Tensor | None = None,
+                      rollout_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's share of the optimizer step's loss, and its share of each statistic.
 
     Every term is aggregated with the GLOBAL counts of the step (all micro-batches, all ranks), so
@@ -47,12 +86,24 @@ def policy_micro_loss(obj: PolicyObjective, logp: torch.Tensor, old_logp: torch.
         max_len: constant L of seq-mean-token-sum-norm.
         ref_logp: (B, T) reference log-probs; needed when obj.kl_beta > 0.
         entropy: (B, T) per-token entropy H_t; differentiable when obj.entropy_coef > 0.
+        rollout_logp: (B, T) the rollout engine's log-probs; needed when obj.tis_cap or
+            obj.mismatch_mask is set (off_policy_weights).
 
     Returns:
         (loss, stats): loss a scalar; stats detached scalars named policy_loss, kl_ref, entropy,
-        approx_kl, clip_fraction, dual_clip_fraction, ratio_mean.
+        approx_kl, clip_fraction, dual_clip_fraction, ratio_mean (and with off-policy correction
+        tis_weight_mean, tis_clip_fraction, mismatch_masked_fraction).
     """
     out = policy_loss(obj.loss, logp, old_logp, advantages, mask)
+    off_policy: dict[str, torch.Tensor] = {}
+    if obj.tis_cap is not None or obj.mismatch_mask is not None:
+        if rollout_logp is None:
+            raise ValueError("tis_cap / mismatch_mask need the rollout log-probs (rollout_logp is None)")
+        weight, tis_clipped, masked = off_policy_weights(old_logp, rollout_logp, mask, tis_cap=obj.tis_cap,
+                                                         mismatch_mask=obj.mismatch_mask)
+        # l_t <- w_t keep_i l_t: the policy-gradient term only (KL and entropy are not samples' returns)
+        out = out._replace(loss_mat=out.loss_mat * weight)
+        off_policy = {"tis_weight": weight, "tis_clipped": tis_clipped, "masked": masked}
 
     def agg(x: torch.Tensor, mode: str = obj.agg_mode) -> torch.Tensor:
         return agg_loss(x, mask, mode, global_token_count=token_count, global_seq_count=seq_count, max_len=max_len)
@@ -81,6 +132,11 @@ def policy_micro_loss(obj: PolicyObjective, logp: torch.Tensor, old_logp: torch.
     stats["clip_fraction"] = token_mean(out.clipped)
     stats["dual_clip_fraction"] = token_mean(out.dual_clipped)
     stats["ratio_mean"] = token_mean(out.ratio)
+    if off_policy:
+        stats["tis_weight_mean"] = token_mean(off_policy["tis_weight"])
+        stats["tis_clip_fraction"] = token_mean(off_policy["tis_clipped"])
+        # sequences: sum_i masked_i / S (S the step's global sequence count), adds up over micro-batches
+        stats["mismatch_masked_fraction"] = off_policy["masked"].sum() / seq_count
     return loss, stats
 
 

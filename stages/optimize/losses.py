@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from rlpipe.stages.common.cli import import_function
-from rlpipe.stages.optimize.config import CustomLoss, GSPOLoss, LossConfig, PPOClipLoss
+from rlpipe.stages.optimize.config import CustomLoss, GSPOLoss, LossConfig, PPOClipLoss, TRPOLoss
 
 AggMode = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -48,7 +48,7 @@ class PolicyLossOutput(NamedTuple):
 
 
 PolicyLoss = Callable[..., PolicyLossOutput]
-POLICY_LOSSES: dict[str, tuple[type[PPOClipLoss | GSPOLoss | CustomLoss], PolicyLoss]] = {}
+POLICY_LOSSES: dict[str, tuple[type[PPOClipLoss | GSPOLoss | TRPOLoss | CustomLoss], PolicyLoss]] = {}
 """name -> (config variant, loss function `fn(logp, old_logp, advantages, mask, **knobs)`)."""
 
 
@@ -133,6 +133,23 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     seq_ratio = torch.exp(((logp - old_logp) * m).sum(-1) / n)
     ratio = seq_ratio.unsqueeze(-1).expand_as(logp)
     return _clipped_surrogate(ratio, advantages, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=None)
+
+
+@register_policy_loss(TRPOLoss)
+def trpo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                   max_kl: float, cg_iters: int, cg_damping: float, backtrack_ratio: float,
+                   backtrack_steps: int) -> PolicyLossOutput:
+    """TRPO's surrogate, unclipped: l_t = -rho_t A_t (Schulman et al. 2015,
+    https://arxiv.org/abs/1502.05477). The trust region is the KL constraint of the step
+    (trpo.py, driven by trpo_step.py), so the step's knobs are not used here.
+
+    Shape:
+        every input and output (B, T).
+    """
+    ratio = torch.exp((logp - old_logp) * mask)
+    m = mask.to(ratio.dtype)
+    zeros = torch.zeros_like(m)
+    return PolicyLossOutput(-advantages * ratio * m, ratio.detach() * m, zeros, zeros)
 
 
 @register_policy_loss(CustomLoss)

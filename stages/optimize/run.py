@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.models import load_model, remember
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
-from rlpipe.stages.optimize.config import OptimizeConfig
+from rlpipe.stages.optimize.config import OptimizeConfig, TRPOLoss
 from rlpipe.stages.optimize.core import (
     PolicyObjective,
     epoch_order,
@@ -51,6 +52,7 @@ from rlpipe.stages.optimize.losses import (
     explained_variance,
     value_moments,
 )
+from rlpipe.stages.optimize.trpo_step import TRPOStep
 
 STAGE = "optimize"
 
@@ -181,7 +183,8 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
     obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
-                          kl_beta=config.kl_beta, entropy_coef=config.entropy_coef, kl_clamp=config.kl_clamp)
+                          kl_beta=config.kl_beta, entropy_coef=config.entropy_coef, kl_clamp=config.kl_clamp,
+                          tis_cap=config.tis_cap, mismatch_mask=config.mismatch_mask)
     step, stopped, rows = 0, False, []
     total_steps = sum(len(s) for s in schedules)
     mark, trained_tokens = time.perf_counter(), 0.0
@@ -253,21 +256,30 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
     world = torch.distributed.get_world_size()
     norms: dict[str, float | None] = {}
     lr = float(pol.optimizer.param_groups[0]["lr"])  # this step's (the engine steps the schedule after it)
+    # TRPO (trpo_step.py) takes the policy step itself after the micro-batches: no AdamW step
+    trpo = TRPOStep(pol, config.loss, n_tok) if isinstance(config.loss, TRPOLoss) else None
+    off_policy = config.tis_cap is not None or config.mismatch_mask is not None
     for rows in micro_batches:
         packed = _pack(E, batch, rows, pad_id)
         T = packed.mask.shape[1]
-        logp, entropy = E.policy_forward(pol, packed, entropy_grad=obj.entropy_coef > 0)
+        # TRPO differentiates the bare module (the engine's forward hooks expect engine.backward)
+        logp, entropy = E.policy_forward(pol if trpo is None else pol.module, packed, entropy_grad=obj.entropy_coef > 0)
         if rows[0] in old_logp:
             old = pad_rows(old_logp, rows, T).to(dev)
         else:  # first step, before any update: the old log-probs are this forward's (detached)
             old = logp.detach().float() * packed.mask
             old_logp.update({int(i): old[b, : len(batch.response_ids[i])].cpu().numpy() for b, i in enumerate(rows)})
         ref = pad_rows(batch.ref_logp, rows, T).to(dev) if batch.ref_logp is not None else None
-        loss, stats = policy_micro_loss(obj, logp, old, pad_rows(batch.advantages, rows, T).to(dev), packed.mask,
-                                        token_count=n_tok, seq_count=n_seq, max_len=max_len, ref_logp=ref,
-                                        entropy=entropy)
-        E.backward_step(pol, loss, world)
-        norms["grad_norm"] = E.optimizer_step(pol)
+        rollout = pad_rows(batch.rollout_logp, rows, T).to(dev) if off_policy else None
+        micro_loss = partial(policy_micro_loss, obj, old_logp=old, advantages=pad_rows(batch.advantages, rows, T).to(dev),
+                             mask=packed.mask, token_count=n_tok, seq_count=n_seq, max_len=max_len, ref_logp=ref,
+                             rollout_logp=rollout)
+        loss, stats = micro_loss(logp, entropy=entropy)
+        if trpo is not None:
+            trpo.add(packed, loss, lambda lp, h, f=micro_loss: f(lp, entropy=h)[0])
+        else:
+            E.backward_step(pol, loss, world)
+            norms["grad_norm"] = E.optimizer_step(pol)
         sums["loss"] += loss.detach().double()
         for name, value in stats.items():
             sums[name] += value.double()
@@ -286,6 +298,8 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
             sums["value_loss"] += vloss.detach().double()
             sums["value_clip_fraction"] += agg_loss(vl.clipped, packed.mask, "token-mean", global_token_count=n_tok).double()
             moments += value_moments(values, returns, packed.mask)
+    if trpo is not None:
+        norms.update(trpo.step())
     names = sorted(sums)
     totals = E.all_reduce(torch.stack([sums[k] for k in names]))
     out = {k: float(v) for k, v in zip(names, totals, strict=False)}

@@ -141,7 +141,7 @@ def test_registry_rejects_a_second_registration():
 def test_config_union_and_registry_name_the_same_losses():
     # One list of names: each tag of the config union is registered with that very variant class.
     tags = union_tags(LossConfig)
-    assert set(tags) == set(POLICY_LOSSES) == {"ppo_clip", "gspo", "custom"}
+    assert set(tags) == set(POLICY_LOSSES) == {"ppo_clip", "gspo", "trpo", "custom"}
     assert all(POLICY_LOSSES[name][0] is cls for name, cls in tags.items())
 
 
