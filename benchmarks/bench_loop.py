@@ -65,6 +65,7 @@ class PlainGRPO:
             s, o.lr_schedule, warmup_steps=o.warmup_steps, total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio))
         self.prompts = read_table_artifact(calls["rollout"].prompts, PROMPTS).to_pylist()
         self.rewards: list[float] = []
+        self.phases: list[dict[str, float]] = []  # per iteration: seconds of sample, reward+advantages, optimize
 
     def iteration(self, k: int) -> None:
         from rlpipe.stages.common.forward import pack, response_logprobs, teacher_forced_logprobs
@@ -78,6 +79,7 @@ class PlainGRPO:
         prompt_ids = [list(self.tokenizer(g["prompt"]).input_ids) for g in groups]
         params = SamplingSpec(group_size=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids))
+        t0 = time.perf_counter()
         self.model.eval()
         samples = []
         for lo in range(0, len(groups), r.batch_size):
@@ -87,6 +89,7 @@ class PlainGRPO:
         rows = [(g, i, s) for g, group in enumerate(samples) for i, s in enumerate(group)]  # (group_id, sample_index)
         prompts = [prompt_ids[g] for g, _, _ in rows]
         responses = [s.token_ids for _, _, s in rows]
+        t1 = time.perf_counter()
         # 2. Reward: the score stage's components, R = sum_k w_k r_k.
         reward = self._reward(calls["score"], groups, rows)
         self.rewards.append(float(reward.mean()))
@@ -94,8 +97,10 @@ class PlainGRPO:
         adv = self._advantages(calls["advantage"], reward, rows, responses)
         ref = (teacher_forced_logprobs(self.reference, prompts, responses, self.engine.pad_id)
                if self.reference is not None else None)
+        t2 = time.perf_counter()
         # 4. Optimize: the stage's row schedule, loss and one persistent AdamW.
         self._optimize(o, prompts, responses, adv, ref, pack, response_logprobs)
+        self.phases.append({"sample": t1 - t0, "reward+advantage": t2 - t1, "optimize": time.perf_counter() - t2})
 
     def _reward(self, score: Any, groups: list[dict], rows: list) -> np.ndarray:
         from rlpipe.stages.score.core import combine
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio pipeline / plain:                   {pipe / loop:.2f}x")
     print("pipeline median seconds per stage: " + ", ".join(f"{s} {v:.3f}" for s, v in per_stage.items())
           + f"; outside the stages {pipe - sum(per_stage.values()):.3f}")
+    print("plain loop median seconds: " + ", ".join(
+        f"{name} {statistics.median(plain[0].phases[k][name] for k in measured):.3f}" for name in plain[0].phases[0]))
     print(f"run directory: {run_dir}")
     return 0
 
