@@ -188,11 +188,13 @@ def shown_panels(table) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------------------------
-def write_report(run_dir: Path | str, *, live: bool = False) -> Path:
+def write_report(run_dir: Path | str, *, live: bool = False, plot: bool = True) -> Path:
     """Write report/curves.png, report/metrics.md and report/index.html; returns the folder.
 
-    `live`: the run is still going (the page reloads itself every REFRESH_SECONDS). Each file is
-    written beside and renamed into place (when it changed), so a reader never sees half a file."""
+    `live`: the run is still going (the page reloads itself every REFRESH_SECONDS). `plot=False`
+    keeps the curves.png there is (a live report between re-plots: the matplotlib render costs more
+    than the tables). Each file is written beside and renamed into place (when it changed), so a
+    reader never sees half a file."""
     from rlpipe.pipelines.report_html import render_html
 
     run_dir = Path(run_dir)
@@ -200,8 +202,11 @@ def write_report(run_dir: Path | str, *, live: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     table = run_table(run_dir)
     initial = eval_metrics(run_dir / INITIAL_EVAL_DIR) if exists(run_dir / INITIAL_EVAL_DIR) else {}
-    png = plot_curves(table, initial, f"rlpipe run {run_dir.name}")
-    write_if_changed(out / "curves.png", png)
+    if plot or not (out / "curves.png").is_file():
+        png = plot_curves(table, initial, f"rlpipe run {run_dir.name}")
+        write_if_changed(out / "curves.png", png)
+    else:
+        png = (out / "curves.png").read_bytes()
     lines = [f"# Run {run_dir.name}", "", NOTE, ""]
     if initial:
         lines += ["Held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in initial.items()), ""]

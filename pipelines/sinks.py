@@ -26,11 +26,16 @@ A sink is a class with `log_hparams(dict)`, `log_iteration(step, metrics, sample
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlpipe.pipelines.report_html import REFRESH_SECONDS
 from rlpipe.schemas.config import ConfigError
+
+#: The live report's curves.png takes at most 1/PLOT_SHARE of a run's time (RunMonitor).
+PLOT_SHARE = 20
 
 
 class Sink:
@@ -195,6 +200,8 @@ class RunMonitor:
         self.loggers = list(getattr(preset, "loggers", []) or [])
         check_sink_names(self.loggers)
         self.sinks: list[Sink] | None = None
+        self._plotted_at: float | None = None  # perf_counter of the live report's last curves.png
+        self._plot_s = 0.0  # what that plot cost
 
     def _open(self) -> list[Sink]:
         if self.sinks is None:
@@ -218,7 +225,14 @@ class RunMonitor:
             samples = sample_completions(self.run_dir, k)
             for sink in sinks:
                 sink.log_iteration(step, row, samples)
-        write_report(self.run_dir, live=True)
+        # The tables are rewritten after every iteration; curves.png (a matplotlib render, 0.1-2 s
+        # on a CPU: more than a tiny iteration) only once the page's next reload can show it
+        # (REFRESH_SECONDS since the last plot) and at most 1/PLOT_SHARE of the run goes to it.
+        now = time.perf_counter()
+        plot = self._plotted_at is None or now - self._plotted_at >= max(REFRESH_SECONDS, PLOT_SHARE * self._plot_s)
+        write_report(self.run_dir, live=True, plot=plot)
+        if plot:
+            self._plotted_at, self._plot_s = now, time.perf_counter() - now
 
     def close(self) -> None:
         from rlpipe.pipelines.report import write_report

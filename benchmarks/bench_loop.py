@@ -1,0 +1,231 @@
+"""The pipeline's overhead over the same math: a plain-PyTorch single-process GRPO loop beside the
+pipeline on the same job, in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_loop.py [--iterations 10] [--warmup 2] [key=value ...]
+
+The pipeline is `Pipeline` in-process with the local runner, writing every artifact (rollouts,
+scores, advantages, policy checkpoint, train state, metrics, configs, report). The plain loop is
+what those stages compute, with nothing written: the same prompts per iteration, KV-cache sampling
+of G samples per prompt with the same knobs and per-group seeds (the transformers engine's decode
+loop, on the plain loop's own model), the preset's reward components, the preset's advantage
+estimator (group-normalised for GRPO), a reference forward when the preset has a reference model,
+and one persistent torch AdamW (same LR schedule, gradient clipping) over the optimize stage's
+row schedule and loss. Both start from the pipeline's SFT checkpoint; set-up (task, base model,
+SFT, first evaluation) is excluded.
+
+They alternate: after pipeline iteration k (its stages, records and report) the plain loop runs its
+iteration k, so machine load hits both alike. A pipeline iteration's time is the wall time from
+the end of the previous plain iteration to the pipeline's per-iteration callback, i.e. everything
+the runner does for that iteration. Its last iteration also runs the final held-out evaluation,
+so it is run but left out; so are the first `--warmup` iterations (lazy imports, first engine
+build). The reported figures are medians over the rest. Both run at one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+class PlainGRPO:
+    """One iteration = sample, reward, advantages, (reference), one persistent-AdamW update, all in
+    memory; the knobs are the pipeline plan's stage configs of the same iteration."""
+
+    def __init__(self, plan: Any):
+        from rlpipe.schemas import PROMPTS, read_table_artifact
+        from rlpipe.stages.common.tiny import load_checkpoint
+        from rlpipe.stages.optimize.core import lr_factor
+        from rlpipe.stages.rollout.hf_engine import TransformersEngine
+
+        self.plan = plan
+        calls = {c.name: c.config for c in plan.iteration(0)}
+        unsupported = [name for name in ("filter",) if name in calls]
+        if calls["optimize"].critic is not None or unsupported or calls["rollout"].engine != "transformers":
+            raise SystemExit("bench_loop: the plain loop implements GRPO-style presets (no critic, no filter, "
+                             "the transformers engine)")
+        o = calls["optimize"]
+        start = plan.start_policy()
+        self.model, self.tokenizer = load_checkpoint(start)  # its own trainable copy
+        self.reference = load_checkpoint(start)[0] if calls.get("reference") is not None else None
+        self.engine = TransformersEngine(start, calls["rollout"])
+        self.engine.model = self.model  # the engine's decode loop over the plain loop's model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
+            s, o.lr_schedule, warmup_steps=o.warmup_steps, total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio))
+        self.prompts = read_table_artifact(calls["rollout"].prompts, PROMPTS).to_pylist()
+        self.rewards: list[float] = []
+        self.phases: list[dict[str, float]] = []  # per iteration: seconds of sample, reward+advantages, optimize
+
+    def iteration(self, k: int) -> None:
+        from rlpipe.stages.common.forward import pack, response_logprobs, teacher_forced_logprobs
+        from rlpipe.stages.rollout.core import group_seed, select_prompts
+        from rlpipe.stages.rollout.engines import SamplingSpec
+
+        calls = {c.name: c.config for c in self.plan.iteration(k)}
+        r, o = calls["rollout"], calls["optimize"]
+        # 1. Sample: the rollout stage's prompts, seeds, batches and knobs.
+        groups = [self.prompts[i] for i in select_prompts(len(self.prompts), r.group_count(), r.prompt_offset)]
+        prompt_ids = [list(self.tokenizer(g["prompt"]).input_ids) for g in groups]
+        params = SamplingSpec(group_size=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids))
+        t0 = time.perf_counter()
+        self.model.eval()
+        samples = []
+        for lo in range(0, len(groups), r.batch_size):
+            ids = range(lo, min(lo + r.batch_size, len(groups)))
+            samples += self.engine.generate([prompt_ids[g] for g in ids],
+                                            [group_seed(r.seed, r.iteration, g) for g in ids], params)
+        rows = [(g, i, s) for g, group in enumerate(samples) for i, s in enumerate(group)]  # (group_id, sample_index)
+        prompts = [prompt_ids[g] for g, _, _ in rows]
+        responses = [s.token_ids for _, _, s in rows]
+        t1 = time.perf_counter()
+        # 2. Reward: the score stage's components, R = sum_k w_k r_k.
+        reward = self._reward(calls["score"], groups, rows)
+        self.rewards.append(float(reward.mean()))
+        # 3. Advantages: the preset's estimator on (R, group ids); A_t = A_i on every token.
+        adv = self._advantages(calls["advantage"], reward, rows, responses)
+        ref = (teacher_forced_logprobs(self.reference, prompts, responses, self.engine.pad_id)
+               if self.reference is not None else None)
+        t2 = time.perf_counter()
+        # 4. Optimize: the stage's row schedule, loss and one persistent AdamW.
+        self._optimize(o, prompts, responses, adv, ref, pack, response_logprobs)
+        self.phases.append({"sample": t1 - t0, "reward+advantage": t2 - t1, "optimize": time.perf_counter() - t2})
+
+    def _reward(self, score: Any, groups: list[dict], rows: list) -> np.ndarray:
+        from rlpipe.stages.score.core import combine
+        from rlpipe.stages.score.scorers import Rows, build_scorer, run_scorer
+
+        view = Rows(shard=Path("plain"), prompts=[groups[g]["prompt"] for g, _, _ in rows],
+                    responses=[s.text for _, _, s in rows], answers=[groups[g]["answer"] for g, _, _ in rows],
+                    lengths=np.array([len(s.token_ids) for _, _, s in rows]), group_ids=[g for g, _, _ in rows],
+                    sample_indices=[i for _, i, _ in rows], metadata=[{} for _ in rows])
+        values = [run_scorer(c, build_scorer(c), view) for c in score.components]
+        return combine([c.weight for c in score.components], values)
+
+    def _advantages(self, advantage: Any, reward: np.ndarray, rows: list, responses: list) -> list[np.ndarray]:
+        from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
+        from rlpipe.stages.advantage.kl import last_token_rewards
+        from rlpipe.stages.common.tables import length_mask
+
+        if advantage.kl.in_reward:
+            raise SystemExit("bench_loop: KL in the reward is not in the plain loop")
+        rewards = torch.tensor(reward, dtype=torch.float64)
+        mask = length_mask(torch.tensor([len(x) for x in responses], dtype=torch.long))
+        out = compute_advantages(advantage.estimator, AdvantageInputs(
+            rewards, torch.tensor([g for g, _, _ in rows]), mask, last_token_rewards(rewards, mask)))
+        return [out.token_advantages[b, : len(x)].float().numpy() for b, x in enumerate(responses)]
+
+    def _optimize(self, o: Any, prompts: list, responses: list, adv: list, ref: list | None, pack: Any,
+                  response_logprobs: Any) -> None:
+        from rlpipe.stages.optimize.core import (
+            PolicyObjective,
+            epoch_order,
+            policy_micro_loss,
+            step_slices,
+        )
+        from rlpipe.stages.optimize.data import pad_rows
+
+        obj = PolicyObjective(loss=o.loss, agg_mode=o.agg_mode, kl_estimator=o.kl_estimator, kl_beta=o.kl_beta,
+                              entropy_coef=o.entropy_coef, kl_clamp=o.kl_clamp)
+        n = len(responses)
+        lengths = np.array([len(x) for x in responses])
+        max_len = o.max_len or int(lengths.max())
+        old: dict[int, np.ndarray] = {}
+        self.model.train()
+        for epoch in range(o.epochs):
+            for micro_batches in step_slices(epoch_order(n, o.seed, epoch, o.shuffle), o.minibatch_size or n, 1, 0,
+                                             o.micro_batch_size):
+                picked = lengths[np.concatenate(micro_batches)]
+                n_tok, n_seq = float(picked.sum()), float((picked > 0).sum())
+                for rows in micro_batches:
+                    packed = pack([prompts[i] for i in rows], [responses[i] for i in rows], self.engine.pad_id)
+                    T = packed.mask.shape[1]
+                    logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+                    logp = response_logprobs(logits, packed)
+                    if int(rows[0]) not in old:  # before the first update: old = this forward, detached
+                        old.update({int(i): logp[b, : len(responses[i])].detach().numpy().copy()
+                                    for b, i in enumerate(rows)})
+                    loss, _ = policy_micro_loss(
+                        obj, logp, pad_rows(old, rows, T), pad_rows(adv, rows, T), packed.mask, token_count=n_tok,
+                        seq_count=n_seq, max_len=max_len, ref_logp=pad_rows(ref, rows, T) if ref is not None else None)
+                    loss.backward()
+                if o.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+                self.opt.step()
+                self.schedule.step()
+                self.opt.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--iterations", type=int, default=10, help="measured (steady-state) iterations")
+    parser.add_argument("--warmup", type=int, default=2, help="iterations run first and left out")
+    parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary directory")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from rlpipe.pipelines.cli import _quiet_libraries
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.pipelines.runner import Pipeline
+
+    _quiet_libraries()
+    total = args.warmup + args.iterations + 1  # + the last one, which also runs the final evaluation
+    preset = load_preset(args.preset, [f"iterations={total}", "eval_every=0", *args.overrides])
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bench_loop_")) / preset.name
+    pipeline_s: dict[int, float] = {}
+    plain_s: dict[int, float] = {}
+    plain: list[PlainGRPO] = []
+    mark = [0.0]
+
+    def after_iteration(record: Any) -> None:
+        now = time.perf_counter()
+        if record.iteration > 0:  # iteration 0's start is inside the runner (after its set-up)
+            pipeline_s[record.iteration] = now - mark[0]
+        if not plain:
+            plain.append(PlainGRPO(pipeline.plan))  # after set-up: the SFT checkpoint exists
+        t0 = time.perf_counter()
+        plain[0].iteration(record.iteration)
+        plain_s[record.iteration] = time.perf_counter() - t0
+        mark[0] = time.perf_counter()
+
+    pipeline = Pipeline(preset, run_dir, log=lambda s: None, on_iteration=after_iteration)
+    records = pipeline.run()
+
+    measured = range(args.warmup, total - 1)
+    print(f"\npreset {preset.name}: {total} iterations, measured {measured.start}..{measured.stop - 1} "
+          f"(warm-up {args.warmup}, last one has the final evaluation); torch threads {torch.get_num_threads()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {os.cpu_count()} CPUs")
+    print(f"{'iter':>4} {'pipeline s':>11} {'plain s':>8} {'reward pipe':>12} {'reward plain':>13}")
+    for r in records:
+        print(f"{r.iteration:>4} {pipeline_s.get(r.iteration, float('nan')):>11.3f} {plain_s[r.iteration]:>8.3f} "
+              f"{r.metrics.get('reward_mean', float('nan')):>12.3f} {plain[0].rewards[r.iteration]:>13.3f}")
+    pipe = statistics.median(pipeline_s[k] for k in measured)
+    loop = statistics.median(plain_s[k] for k in measured)
+    per_stage = {s: statistics.median(r.seconds.get(s, 0.0) for r in records if r.iteration in measured)
+                 for s in ("rollout", "score", "advantage", "optimize")}
+    print(f"\npipeline (local runner, every artifact): median {pipe:.3f} s/iteration")
+    print(f"plain PyTorch loop:                       median {loop:.3f} s/iteration")
+    print(f"ratio pipeline / plain:                   {pipe / loop:.2f}x")
+    print("pipeline median seconds per stage: " + ", ".join(f"{s} {v:.3f}" for s, v in per_stage.items())
+          + f"; outside the stages {pipe - sum(per_stage.values()):.3f}")
+    print("plain loop median seconds: " + ", ".join(
+        f"{name} {statistics.median(plain[0].phases[k][name] for k in measured):.3f}" for name in plain[0].phases[0]))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
