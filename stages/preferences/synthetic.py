@@ -63,6 +63,7 @@ def answer_preferences(prompts: Path | str, *, seed: int = 0) -> pa.Table:
     """One pair per row of a `prompts` artifact: chosen is the reference answer, rejected a near
     miss (answer +- 1..3, never negative); pair_id is '<prompt_id>-<row>'."""
     from rlpipe.schemas import PROMPTS, read_table_artifact
+    from rlpipe.schemas.errors import DataError
 
     table = read_table_artifact(prompts, PROMPTS, columns=["prompt_id", "prompt", "answer"])
     rng = random.Random(seed)
@@ -72,8 +73,12 @@ def answer_preferences(prompts: Path | str, *, seed: int = 0) -> pa.Table:
         try:
             right = int(answer)
         except (TypeError, ValueError):
-            raise ValueError(f"{prompts}: row {i} (prompt_id {pid!r}) has answer {answer!r}, not an integer; "
-                             "kind 'answers' makes near-miss integers") from None
+            raise DataError(
+                f"{prompts}: row {i} (prompt_id {pid!r}) has answer {answer!r}, not an integer: the "
+                "preferences stage (kind 'answers') pairs integer answers with near misses; for other "
+                "data give the reward model preference pairs (preset data.preferences: a file of "
+                "prompt/chosen/rejected rows, or `rlpipe data import FILE OUT --kind preferences`) or "
+                "a trained one (model.reward_model)") from None
         wrong = right + rng.choice([-3, -2, -1, 1, 2, 3])
         rows["pair_id"].append(f"{pid}-{i}")
         rows["prompt"].append(prompt)
