@@ -227,8 +227,8 @@ def data_import(
         m = stage.run(config, force=force)
     except ConfigError as e:
         raise _fail(str(e), 2) from None
-    except DataImportError as e:
-        raise _fail(str(e), 1) from None
+    except DataImportError as e:  # a user mistake in the file, like a bad option: exit code 2
+        raise _fail(str(e), 2) from None
     extra = m.extra
     kept = extra.get("metadata_columns") or extra.get("ignored_columns") or []
     kept_what = "metadata" if kind == "prompts" else "ignored"

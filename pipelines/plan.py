@@ -7,7 +7,7 @@ built, with the real paths) and drives the runner. A stage's config is the prese
 that stage (its knobs) plus the fields the pipeline assigns: the ones the stage config marks as
 `Input`, `Output` or `Assigned` (see `rlpipe.schemas.config`).
 
-    set-up:     (import_data | task) -> base_model -> sft -> preferences -> reward_model -> critic_init -> evaluate
+    set-up:     (import_data | task) -> preferences -> base_model -> sft -> reward_model -> critic_init -> evaluate
     iteration:  rollout -> score -> (filter) -> (reference) -> advantage -> optimize -> (evaluate)
 
 Stages whose inputs the preset supplies itself (its own prompts, base model or reward model) are
@@ -139,6 +139,9 @@ class Plan:
         p, L = self.preset, self.layout
         train, heldout, sft_prompts = self.prompts()
         calls = [*self.imports(), *(c for c in (self.task(),) if c is not None)]
+        trains_rm = p.model.reward_model is None and p.reward_model is not None
+        if trains_rm and p.data.preferences is None:  # before SFT: pairs the prompts cannot give fail in seconds
+            calls.append(self.call("preferences", self.setup_dir, prompts=train, output=self.preferences()))
         if p.model.base is None:
             from rlpipe.stages.task.arithmetic import tokenizer_texts
 
@@ -148,9 +151,7 @@ class Plan:
             calls.append(self.call("sft", self.setup_dir, base=self.base_policy(), prompts=sft_prompts,
                                    output=L.model("sft"), metrics_output=L.model("sft_metrics"),
                                    run=L.name, iteration=0))
-        if p.model.reward_model is None and p.reward_model is not None:
-            if p.data.preferences is None:
-                calls.append(self.call("preferences", self.setup_dir, prompts=train, output=self.preferences()))
+        if trains_rm:
             calls.append(self.call("reward_model", self.setup_dir, preferences=self.preferences(),
                                    base=self.start_policy(), output=self.reward_model(),
                                    metrics_output=L.model("reward_metrics"), run=L.name))
@@ -230,8 +231,19 @@ class Plan:
                     continue
                 problem = input_problem(path, call.config.input_fields()[name].kind)
                 if problem:
-                    raise UserError(f"{self.source}: {call.name}.{name}: {problem}")
+                    key = self._preset_key(path)
+                    where = f"{key} (read as {call.name}.{name})" if key else f"{call.name}.{name}"
+                    todo = f"; set {key} in the preset (or as {key}=PATH after it)" if key else ""
+                    raise UserError(f"{self.source}: {where}: {problem}{todo}")
             written.update(Path(p) for p in call.config.outputs().values())
+
+    def _preset_key(self, path: Path | str) -> str | None:
+        """The data.* or model.* key of the preset that names `path` (None: the run's own path)."""
+        for section in ("data", "model"):
+            for key, value in getattr(self.preset, section):
+                if isinstance(value, (str, Path)) and Path(value) == Path(path):
+                    return f"{section}.{key}"
+        return None
 
     def _adaptive_kl(self, k: int) -> dict[str, Any]:
         """With `advantage.kl.controller: adaptive`, iteration k's `kl.beta` is the `kl_beta_next`

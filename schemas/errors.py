@@ -14,6 +14,11 @@ class UserError(Exception):
     same input fails the same way)."""
 
 
+class DataError(UserError, ValueError):
+    """Rows of the user's data are refused (repeated ids, empty prompts, text that is not UTF-8,
+    answers a stage cannot use): the message names the file or artifact, the column and the rows."""
+
+
 class ArtifactError(UserError):
     """Base class of artifact errors (missing, incomplete, tampered or mismatched artifacts)."""
 

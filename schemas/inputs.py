@@ -18,7 +18,10 @@ def input_problem(path: Path | str, kind: str) -> str | None:
     to import); None if it can."""
     path = Path(path)
     if not path.exists():
-        return f"{path} does not exist"
+        todo = {"checkpoint": "give the directory of a Hugging Face checkpoint (saved with save_pretrained)",
+                "file": "check the path"}.get(kind, "check the path, or write it first (with the stage that "
+                                                    "makes it, or `rlpipe data import` for your own data)")
+        return f"{path} does not exist: {todo}"
     if kind == "file":  # data to import: a file, or a folder saved by `datasets`
         return None
     if not path.is_dir():
@@ -28,6 +31,10 @@ def input_problem(path: Path | str, kind: str) -> str | None:
             return f"{path} is not a Hugging Face checkpoint (no config.json): pass a directory saved with save_pretrained"
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             return f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model"
+        for weights in sorted(path.glob("*.safetensors")):
+            problem = safetensors_problem(weights)
+            if problem:
+                return problem
         return None
     manifest = path / MANIFEST_NAME
     if not manifest.is_file():
@@ -45,4 +52,27 @@ def input_problem(path: Path | str, kind: str) -> str | None:
         return f"{path} is a checkpoint, but a {kind!r} artifact is expected here"
     if data.get("schema_name") != kind:
         return f"{path} holds {data.get('schema_name')!r} rows, but a {kind!r} artifact is expected here"
+    return None
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a .safetensors file cannot be loaded (cut short, or no safetensors header); None if its
+    size is the one its header promises. Reads only the header.
+
+    Layout: 8 bytes little-endian header length N, N bytes of JSON {tensor: {data_offsets:
+    [begin, end], ...}}, then the data; the file is 8 + N + max(end) bytes long.
+    """
+    size = file.stat().st_size
+    again = "copy or save the checkpoint again (save_pretrained)"
+    try:
+        with file.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + n > size:
+                raise ValueError("header cut short")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"{file} ({size} bytes) is not a readable safetensors file ({e}): {again}"
+    if 8 + n + end != size:
+        return f"{file} is {size} bytes, but its header promises {8 + n + end} (truncated or damaged): {again}"
     return None

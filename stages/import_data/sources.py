@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlpipe.schemas.errors import DataError
+
 JSONL = (".jsonl", ".ndjson", ".json")
 CSV = (".csv", ".tsv")
 PARQUET = (".parquet", ".pq")
@@ -24,7 +26,7 @@ PARQUET = (".parquet", ".pq")
 DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-class DataImportError(ValueError):
+class DataImportError(DataError):
     """A data file cannot be imported; the message names the file, the column and the rows."""
 
 

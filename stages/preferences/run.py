@@ -20,7 +20,7 @@ def run(config: PreferencesConfig, start: StageStart) -> Manifest:
     """Build the pairs and write them; a cache hit returns the existing manifest."""
     inputs, key = start.inputs, start.key
     if config.kind == "answers":
-        table = synthetic.answer_preferences(config.prompts, seed=config.seed)
+        table = synthetic.answer_preferences(config.prompts, wrong=config.wrong, seed=config.seed)
     else:
         table = synthetic.synthetic_preferences(config.pairs, kind=config.kind, seed=config.seed)
     return write_table_artifact(config.output, PREFERENCES, table, stage=STAGE, config=config.resolved(),

@@ -59,10 +59,17 @@ def synthetic_preferences(n_pairs: int, *, kind: Kind = "arithmetic", seed: int 
     )
 
 
-def answer_preferences(prompts: Path | str, *, seed: int = 0) -> pa.Table:
-    """One pair per row of a `prompts` artifact: chosen is the reference answer, rejected a near
-    miss (answer +- 1..3, never negative); pair_id is '<prompt_id>-<row>'."""
+def answer_preferences(prompts: Path | str, *, wrong: Literal["near_miss", "zero_padded"] = "near_miss",
+                       seed: int = 0) -> pa.Table:
+    """One pair per row of a `prompts` artifact: chosen is the reference answer, rejected a wrong
+    one; pair_id is '<prompt_id>-<row>'.
+
+    wrong: 'near_miss', the answer +- 1..3 (never negative), or 'zero_padded', the answer with
+    leading zeros to at least 3 digits and at least one zero ('68' -> '068', '5' -> '005',
+    '104' -> '0104'; the task's flawed SFT answers are '68' -> '068').
+    """
     from rlpipe.schemas import PROMPTS, read_table_artifact
+    from rlpipe.schemas.errors import DataError
 
     table = read_table_artifact(prompts, PROMPTS, columns=["prompt_id", "prompt", "answer"])
     rng = random.Random(seed)
@@ -72,13 +79,21 @@ def answer_preferences(prompts: Path | str, *, seed: int = 0) -> pa.Table:
         try:
             right = int(answer)
         except (TypeError, ValueError):
-            raise ValueError(f"{prompts}: row {i} (prompt_id {pid!r}) has answer {answer!r}, not an integer; "
-                             "kind 'answers' makes near-miss integers") from None
-        wrong = right + rng.choice([-3, -2, -1, 1, 2, 3])
+            raise DataError(
+                f"{prompts}: row {i} (prompt_id {pid!r}) has answer {answer!r}, not an integer: the "
+                "preferences stage (kind 'answers') pairs integer answers with near misses; for other "
+                "data give the reward model preference pairs (preset data.preferences: a file of "
+                "prompt/chosen/rejected rows, or `rlpipe data import FILE OUT --kind preferences`) or "
+                "a trained one (model.reward_model)") from None
+        if wrong == "zero_padded":
+            rejected = str(right).zfill(max(3, len(str(right)) + 1))
+        else:
+            miss = right + rng.choice([-3, -2, -1, 1, 2, 3])
+            rejected = str(miss if miss >= 0 else right + 1)
         rows["pair_id"].append(f"{pid}-{i}")
         rows["prompt"].append(prompt)
         rows["chosen"].append(str(right))
-        rows["rejected"].append(str(wrong if wrong >= 0 else right + 1))
+        rows["rejected"].append(rejected)
         rows["margin"].append(None)
     return pa.table(rows, schema=PREFERENCES.arrow())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,3 +51,19 @@ def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, rank: int = 0,
             break
         batches.append(chunk[rank * batch_size : (rank + 1) * batch_size])
     return batches
+
+
+def chance_band(n_pairs: int) -> float:
+    """Half-width of the held-out accuracies a reward model that knows nothing reaches.
+
+    With no signal each held-out pair is a fair coin (r_c > r_r with probability 1/2), so the
+    accuracy over n pairs has mean 1/2 and standard deviation sqrt(1/4 / n) = 1 / (2 sqrt(n)); two
+    standard deviations, 1 / sqrt(n), cover ~95% of such runs (0.105 on 90 pairs, 0.071 on 200).
+    """
+    return 1.0 / math.sqrt(n_pairs)
+
+
+def near_chance(accuracy: float, n_pairs: int) -> bool:
+    """True when the held-out accuracy is not clearly better than chance: below 1/2 + chance_band
+    (a model ranking worse than a coin counts too)."""
+    return bool(accuracy < 0.5 + chance_band(n_pairs))

@@ -45,7 +45,7 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
     from rlpipe.stages.common.deepspeed import save_pretrained
     from rlpipe.stages.common.distributed import barrier, init_distributed
     from rlpipe.stages.reward_model import engine as E
-    from rlpipe.stages.reward_model.core import split_pairs
+    from rlpipe.stages.reward_model.core import chance_band, near_chance, split_pairs
     from rlpipe.stages.reward_model.modeling import encode
 
     inputs, key = start.inputs, start.key
@@ -95,6 +95,9 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
             summary = {"train_pairs": len(train_idx), "eval_pairs": len(eval_idx), "world_size": world_size,
                        "steps": max((s for s, _, _ in history.rows), default=0),
                        **{k: v for k, v in final.items() if k.startswith("eval_") or k == "loss"}}
+            if "eval_accuracy" in final:  # whether the held-out accuracy is within a coin's (core.chance_band)
+                summary |= {"eval_chance_band": chance_band(len(eval_idx)),
+                            "eval_near_chance": near_chance(final["eval_accuracy"], len(eval_idx))}
             commit_directory(out, stage=STAGE, config=config.resolved(), inputs=inputs, cache_key=key,
                              extra=summary, wall_time_s=time.time() - started)
     if rank == 0:
@@ -102,6 +105,11 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
             if "eval_accuracy" in final else "no held-out pairs (eval_fraction=0)"
         print(f"reward_model: {summary['steps']} steps on {len(train_idx)} pairs, final loss "
               f"{final.get('loss', float('nan')):.4f}, {accuracy}", file=sys.stderr)
+        if summary.get("eval_near_chance"):
+            print(f"warning: reward_model: held-out pairwise accuracy {final['eval_accuracy']:.4f} is within "
+                  f"chance (0.5 + {summary['eval_chance_band']:.3f}, two standard deviations of a coin on "
+                  f"{len(eval_idx)} pairs): the reward model has not learnt these preferences; give it "
+                  "more or clearer pairs, more epochs or another lr", file=sys.stderr)
     engine.destroy()
     barrier()
     return read_manifest(config.output)

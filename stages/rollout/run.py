@@ -28,6 +28,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     shard_name,
 )
+from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.common.progress import progress
@@ -111,11 +112,11 @@ def _check_prompts(prompts: list[dict[str, Any]], path: Path) -> None:
     are looked up by id) or sample from nothing (an empty prompt)."""
     dups = duplicate_ids([p["prompt_id"] for p in prompts])
     if dups:
-        raise ValueError(f"prompts artifact {path}: column 'prompt_id' repeats ids ({duplicates_text(dups)}; "
+        raise DataError(f"prompts artifact {path}: column 'prompt_id' repeats ids ({duplicates_text(dups)}; "
                          "rows counted from 0 in artifact order): give every prompt its own id")
     empty = empty_prompts([p["prompt"] for p in prompts], [p["messages"] for p in prompts])
     if empty:
-        raise ValueError(f"prompts artifact {path}: empty prompts (column 'prompt' blank and no "
+        raise DataError(f"prompts artifact {path}: empty prompts (column 'prompt' blank and no "
                          f"'messages' with content) at rows {rows_text(empty)} (counted from 0 in "
                          "artifact order): remove them or fill them in")
 
