@@ -7,7 +7,7 @@ from rlpipe.schemas.config import ConfigError
 
 
 def test_builtin_presets_exist():
-    assert {"demo", "grpo", "ppo", "grpo_rm"} <= set(builtin_presets())
+    assert {"demo", "demo_lora", "demo_trpo", "grpo", "ppo", "grpo_rm"} == set(builtin_presets())
 
 
 def _contains(got, want) -> bool:
@@ -21,7 +21,7 @@ def _contains(got, want) -> bool:
     return got == want
 
 
-@pytest.mark.parametrize("name", ["demo", "demo_trpo", "grpo", "ppo", "grpo_rm"])
+@pytest.mark.parametrize("name", sorted(builtin_presets()))
 def test_builtin_preset_loads_and_every_stage_config_validates(name):
     """Every knob written in the preset file reaches its stage's config with that value (none is
     dropped, renamed or overridden by a default on the way)."""
