@@ -24,8 +24,16 @@ pytestmark = [pytest.mark.train_state, pytest.mark.slow]
 LR = 1e-3
 
 
+#: A full fine-tuning policy; LoRA adapters (the reference: the base, adapters off) with a PPO
+#: critic, whose engine's state is carried and replayed beside the policy's.
+VARIANTS = {"full": {}, "lora_critic": {"lora": {"r": 4, "alpha": 8}, "kl_beta": 0.1, "critic": True}}
+
+
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(checkpoint / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(checkpoint).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -39,61 +47,84 @@ def _replayed_runs(checkpoint: Path) -> float:
     return read_manifest(checkpoint).extra["timing"].get("replayed_runs", 0.0)
 
 
+def _chain(tmp_path, make_config, batches, policy, name, knobs, wiring):
+    """Configs of chained runs; run k of `wiring` is (the run whose train_state it reads or None,
+    the runs it replays, whether it saves a state). Run k starts from run k-1's policy (and critic)."""
+    configs, critic = [], policy if knobs.get("critic") else None
+    for k, (state_from, replayed, save) in enumerate(wiring):
+        extra = {key: value for key, value in knobs.items() if key != "critic"}
+        if critic is not None:
+            extra.update(critic=critic, critic_output=tmp_path / f"{name}{k}_critic")
+        cfg = make_config(tmp_path, batches[k], policy, f"{name}{k}", lr=LR,
+                          train_state=configs[state_from].train_state_output if state_from is not None else None,
+                          replay=[configs[i].output for i in replayed],
+                          train_state_output=tmp_path / f"{name}{k}_state" if save else None, **extra)
+        configs.append(cfg)
+        policy, critic = cfg.output, cfg.critic_output
+    return configs
+
+
+def _assert_same_models(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        _assert_equal(_weights(a.output), _weights(b.output))
+        if b.critic_output is not None:
+            _assert_equal(_weights(a.critic_output), _weights(b.critic_output))
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def knobs(request):
+    return VARIANTS[request.param]
+
+
 @pytest.fixture
 def batches(tmp_path, tiny_tokenizer, build):
-    return [build(tmp_path / f"data{k}", tiny_tokenizer, seed=k, iteration=k) for k in range(3)]
+    return [build(tmp_path / f"data{k}", tiny_tokenizer, seed=k, iteration=k, with_values=True) for k in range(3)]
 
 
 @pytest.fixture
-def saved_every_run(tmp_path, batches, tiny_policy_dir, make_config):
-    """The policies of 3 chained runs that each save the train state (state_every 1)."""
+def saved_every_run(tmp_path, batches, tiny_policy_dir, make_config, knobs):
+    """3 chained runs that each save the train state (state_every 1), run."""
     clear_warm()
-    policy, state, out = tiny_policy_dir, None, []
-    for k, arts in enumerate(batches):
-        cfg = make_config(tmp_path, arts, policy, f"every{k}", lr=LR, train_state=state,
-                          train_state_output=tmp_path / f"every{k}_state")
+    configs = _chain(tmp_path, make_config, batches, tiny_policy_dir, "every", knobs,
+                     [(None, [], True), (0, [], True), (1, [], True)])
+    for cfg in configs:
         run(cfg)
-        policy, state = cfg.output, cfg.train_state_output
-        out.append(_weights(cfg.output))
-    return out
+    return configs
 
 
 def test_a_run_after_an_unsaved_one_replays_it_from_the_saved_state(tmp_path, batches, tiny_policy_dir,
-                                                                     make_config, saved_every_run):
+                                                                     make_config, knobs, saved_every_run):
     """Run 0 saves the state, run 1 does not, run 2 continues from run 0's state + run 1 (replay):
     warm (one process, nothing replayed) and cold (fresh engines: run 1 replayed from the state);
-    both end bit-identical to the chain that saves every run."""
+    both end bit-identical to the chain that saves every run, policy and critic."""
     for mode in ("warm", "cold"):
-        c0 = make_config(tmp_path, batches[0], tiny_policy_dir, f"{mode}0", lr=LR,
-                         train_state_output=tmp_path / f"{mode}0_state")
-        c1 = make_config(tmp_path, batches[1], c0.output, f"{mode}1", lr=LR, train_state=c0.train_state_output)
-        c2 = make_config(tmp_path, batches[2], c1.output, f"{mode}2", lr=LR, train_state=c0.train_state_output,
-                         replay=[c1.output], train_state_output=tmp_path / f"{mode}2_state")
-        for cfg in (c0, c1, c2):
+        configs = _chain(tmp_path, make_config, batches, tiny_policy_dir, mode, knobs,
+                         [(None, [], True), (0, [], False), (0, [1], True)])
+        for cfg in configs:
             if mode == "cold":
                 clear_warm()  # as in a new process: the engines load the state from disk
             run(cfg)
         assert not (tmp_path / f"{mode}1_state").exists()
-        for cfg, want in zip((c0, c1, c2), saved_every_run, strict=True):
-            _assert_equal(_weights(cfg.output), want)
-        assert _replayed_runs(c2.output) == (1.0 if mode == "cold" else 0.0)
-        assert json.loads((c2.train_state_output / "topology.json").read_text())["global_steps"] == 3
+        _assert_same_models(configs, saved_every_run)
+        assert _replayed_runs(configs[2].output) == (1.0 if mode == "cold" else 0.0)
+        assert json.loads((configs[2].train_state_output / "topology.json").read_text())["global_steps"] == 3
     # the replayed run's checkpoint is one of the inputs that key the run
-    assert "replay[0]" in read_manifest(c2.output).inputs
+    assert "replay[0]" in read_manifest(configs[2].output).inputs
 
 
-def test_replay_from_a_fresh_start_and_its_errors(tmp_path, batches, tiny_policy_dir, make_config, saved_every_run):
-    """No state saved yet: run 1 replays run 0 from the policy it started from. A replayed run
-    whose recorded knobs changed since (here its lr) gives other weights: a clear error naming the
-    checkpoint. A replay list that does not continue from train_state is refused before any work."""
+def test_replay_from_a_fresh_start_and_its_errors(tmp_path, batches, tiny_policy_dir, make_config, knobs,
+                                                  saved_every_run):
+    """No state saved yet: run 1 replays run 0 from the policy (and critic) it started from. A
+    replayed run whose recorded knobs changed since (here its lr) gives other weights: a clear
+    error naming the checkpoint. A replay list that does not continue from train_state is refused
+    before any work."""
     from rlpipe.schemas.atomic import atomic_write_bytes
 
-    c0 = make_config(tmp_path, batches[0], tiny_policy_dir, "fresh0", lr=LR)
-    c1 = make_config(tmp_path, batches[1], c0.output, "fresh1", lr=LR, replay=[c0.output])
+    c0, c1 = _chain(tmp_path, make_config, batches, tiny_policy_dir, "fresh", knobs, [(None, [], False), (None, [0], False)])
     run(c0)
     clear_warm()
     run(c1)
-    _assert_equal(_weights(c1.output), saved_every_run[1])
+    _assert_same_models([c0, c1], saved_every_run[:2])
     assert _replayed_runs(c1.output) == 1.0
 
     manifest = read_manifest(c0.output)
@@ -104,7 +135,7 @@ def test_replay_from_a_fresh_start_and_its_errors(tmp_path, batches, tiny_policy
         run(c1, force=True)
 
     # every1 continued from every0's train_state: it cannot be replayed from a fresh start
-    wrong = make_config(tmp_path, batches[2], tmp_path / "every1_policy", "wrong", lr=LR,
-                        replay=[tmp_path / "every1_policy"])
+    every1 = saved_every_run[1].output
+    wrong = c1.model_copy(update={"replay": [every1], "output": tmp_path / "wrong_policy"})
     with pytest.raises(UserError, match=r"replay\[0\].*continued from train_state .*every0_state"):
         run(wrong)
