@@ -139,3 +139,30 @@ def test_replay_from_a_fresh_start_and_its_errors(tmp_path, batches, tiny_policy
     wrong = c1.model_copy(update={"replay": [every1], "output": tmp_path / "wrong_policy"})
     with pytest.raises(UserError, match=r"replay\[0\].*continued from train_state .*every0_state"):
         run(wrong)
+
+
+def test_a_replayed_run_with_other_engine_knobs_hands_its_state_over(tmp_path, batches, tiny_policy_dir,
+                                                                      make_config):
+    """Run 0 takes 2 micro-batches per step, run 1 one (another DeepSpeed gradient accumulation:
+    another engine). Run 1 replays run 0 on an engine built for it, then moves the state into its
+    own engine through a scratch DeepSpeed checkpoint: bit-identical to the chain where run 1
+    loads run 0's saved state, warm or cold."""
+    clear_warm()
+    micro = [{"micro_batch_size": 8}, {"micro_batch_size": 16}]
+    saved = [make_config(tmp_path, batches[0], tiny_policy_dir, "s0", lr=LR, train_state_output=tmp_path / "s0_state",
+                         **micro[0])]
+    saved.append(make_config(tmp_path, batches[1], saved[0].output, "s1", lr=LR, train_state=saved[0].train_state_output,
+                             **micro[1]))
+    for cfg in saved:
+        clear_warm()  # the reference: run 1's engine loads run 0's state from disk
+        run(cfg)
+    for mode in ("warm", "cold"):
+        c0 = make_config(tmp_path, batches[0], tiny_policy_dir, f"{mode}0", lr=LR, **micro[0])
+        c1 = make_config(tmp_path, batches[1], c0.output, f"{mode}1", lr=LR, replay=[c0.output], **micro[1])
+        run(c0)
+        if mode == "cold":
+            clear_warm()
+        run(c1)
+        _assert_equal(_weights(c1.output), _weights(saved[1].output))
+        assert _replayed_runs(c1.output) == (1.0 if mode == "cold" else 0.0)
+        assert not list(tmp_path.glob(".*engine-transfer"))  # the scratch checkpoint is gone
