@@ -203,7 +203,9 @@ class OptimizeConfig(StageConfig):
     2N-1, ... and the last one. An iteration after one that saved none reads the last saved state
     plus the policy checkpoints since (`replay`): in one process the engine stays warm; a resumed
     run replays those (at most N-1) iterations' optimize steps from their saved artifacts and ends
-    identical to an uninterrupted run. 1: every iteration saves it (nothing is ever replayed)."""
+    identical to an uninterrupted run. 1: every iteration saves it (nothing is ever replayed).
+    Launched in processes of its own (a `launch:` placement), optimize keeps no warm engine and
+    every iteration replays those since the last save (docs/design.md#train-state)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay (policy and critic)."""
     betas: tuple[float, float] = (0.9, 0.999)

@@ -92,45 +92,39 @@ def engine_knobs(config: OptimizeConfig, dscfg: dict[str, Any]) -> str:
 def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: dict[str, InputRef], d: Any,
                 timing: dict[str, float]) -> tuple[Engines, Any]:
     """(engines holding the state this run continues from, built with its knobs; the tokenizer)."""
-    from rlpipe.stages.common.models import load_model
+    from rlpipe.stages.common.tiny import load_tokenizer
     from rlpipe.stages.optimize.run import prepare, train
 
-    steps = [_replayed(config, inputs, i) for i in range(len(config.replay))]
+    manifests = [_chained(config, inputs, i) for i in range(len(config.replay))]
     state = Path(config.train_state) if config.train_state is not None else None
     ids = [saved_state_id(inputs["train_state"].content_hash) if state is not None else None]
-    ids += [unsaved_state_id(manifest) for manifest, _ in steps]
+    ids += [unsaved_state_id(manifest) for manifest in manifests]
     held = next((i for i in reversed(range(len(ids))) if ids[i] in _WARM), None)
     engines = _WARM.pop(ids[held]) if held is not None else None
     clear_warm()  # engines holding any other state are of no further use
     beside = Path(config.output)  # where a scratch transfer between engines goes
-    tokenizer = None
-    if steps[held or 0:]:
+    tokenizer = load_tokenizer(config.policy)
+    if manifests[held or 0:]:
         mark = time.perf_counter()
-        for _, step in steps[held or 0:]:
+        for i in range(held or 0, len(manifests)):
+            step = _replayed_config(manifests[i], Path(config.replay[i]), i)
             work = prepare(step, d)
-            engines, loaded = _fit(E, engines, step, work.dscfg, state, d.rank, beside)
-            tokenizer = tokenizer if tokenizer is not None else loaded
-            if tokenizer is None:
-                tokenizer = load_model(config.policy)[1]
+            engines = _fit(E, engines, step, work.dscfg, state, d.rank, beside)
             train(E, step, work, engines, tokenizer.pad_token_id, d.world_size, {})
-        check_replayed(engines, config.replay[-1], steps[-1][0])
+        check_replayed(engines, config.replay[-1], manifests[-1])
         timing["replay_s"] = time.perf_counter() - mark
-        timing["replayed_runs"] = float(len(steps) - (held or 0))
-    engines, loaded = _fit(E, engines, config, dscfg, state, d.rank, beside)
-    tokenizer = tokenizer if tokenizer is not None else loaded
-    if tokenizer is None:
-        tokenizer = load_model(config.policy)[1]  # (warm engines: the policy is in the model cache)
-    return engines, tokenizer
+        timing["replayed_runs"] = float(len(manifests) - (held or 0))
+    return _fit(E, engines, config, dscfg, state, d.rank, beside), tokenizer
 
 
 def _fit(E: Any, engines: Engines | None, config: OptimizeConfig, dscfg: dict[str, Any], state: Path | None,
-         rank: int, beside: Path) -> tuple[Engines, Any]:
+         rank: int, beside: Path) -> Engines:
     """`engines` when built with `config`'s knobs; else new engines with them holding the same
     state (through a DeepSpeed checkpoint in a scratch folder beside the output), or, given none,
-    new engines continued from `state` (None: fresh). The tokenizer when it was loaded, else None."""
+    new engines continued from `state` (None: fresh)."""
     knobs = engine_knobs(config, dscfg)
     if engines is not None and engines.knobs == knobs:
-        return engines, None
+        return engines
     if engines is None:
         return build(E, config, dscfg, state)
     from rlpipe.stages.optimize.state import save_engines
@@ -149,14 +143,14 @@ def _fit(E: Any, engines: Engines | None, config: OptimizeConfig, dscfg: dict[st
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def build(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Path | None) -> tuple[Engines, Any]:
+def build(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Path | None) -> Engines:
     """Fresh engines from `config`'s policy (and critic), continued from the train state `state`
-    (DeepSpeed load_checkpoint) when given; and the tokenizer."""
+    (DeepSpeed load_checkpoint) when given."""
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.optimize.core import lr_factor
 
     # Trainable copies: never train a model from the shared in-process cache.
-    policy, tokenizer = load_model(config.policy, cache=False)
+    policy = load_model(config.policy, cache=False)[0]
     if config.lora is not None:  # the adapters (and, continued from a state, the base) come from the state
         from rlpipe.stages.optimize.lora import wrap
 
@@ -181,7 +175,7 @@ def build(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Path | N
         if (state / "_manifest.json").is_file():  # (a scratch transfer has no manifest)
             check_state(state, config.resolved()["lora"])
         engines.rng = load_engines(engines.roles(), state)
-    return engines, tokenizer
+    return engines
 
 
 def _load_critic(path: Path, seed: int) -> torch.nn.Module:
@@ -200,12 +194,12 @@ def _load_critic(path: Path, seed: int) -> torch.nn.Module:
 _REPLAYED_INPUTS = ("policy", "critic", "rollouts", "advantages", "reference")
 
 
-def _replayed(config: OptimizeConfig, inputs: dict[str, InputRef], i: int) -> tuple[Manifest, OptimizeConfig]:
-    """The manifest of `replay[i]` and the config its optimize run had, its inputs found where
-    they are now, after checking that it continued from the state this run's chain has there."""
+def _chained(config: OptimizeConfig, inputs: dict[str, InputRef], i: int) -> Manifest:
+    """The manifest of `replay[i]`, once its optimize run is known to have continued from the
+    state this run's chain has there (the same train_state, the same replayed runs before it)."""
     path = Path(config.replay[i])
     manifest = read_manifest(path)
-    where = f"optimize.replay[{i}] ({path})"
+    where = _where(path, i)
     if manifest.stage != "optimize" or manifest.extra.get("kind") != "causal":
         raise UserError(f"{where}: not a policy checkpoint written by the optimize stage (stage "
                         f"{manifest.stage!r}); list the policy checkpoints written after train_state, oldest first")
@@ -218,13 +212,23 @@ def _replayed(config: OptimizeConfig, inputs: dict[str, InputRef], i: int) -> tu
         raise UserError(f"{where}: its optimize run continued from {_describe(manifest.inputs)}, but this run has "
                         f"{_describe(inputs, i)} before it; replay must list the policy checkpoints written after "
                         "train_state (by runs that saved no state), oldest first")
+    return manifest
+
+
+def _where(path: Path, i: int) -> str:
+    return f"optimize.replay[{i}] ({path})"
+
+
+def _replayed_config(manifest: Manifest, path: Path, i: int) -> OptimizeConfig:
+    """The config the optimize run that wrote `path` (replay[i]) had, its inputs where they are now."""
+    where = _where(path, i)
     found = {name: _find(manifest, name, path, where) for name in _REPLAYED_INPUTS if name in manifest.inputs}
     try:
         step = OptimizeConfig.model_validate({**manifest.config, **{name: None for name in _REPLAYED_INPUTS},
                                               **found, "train_state": None, "replay": []})
     except ValueError as e:
         raise UserError(f"{where}: the config its manifest records is not a valid optimize config now: {e}") from None
-    return manifest, step
+    return step
 
 
 def _describe(inputs: dict[str, InputRef], before: int | None = None) -> str:
