@@ -184,13 +184,21 @@ class Plan:
         calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined,
                                **self._adaptive_kl(k)))
         critic = self.critic(k)
-        # The training state (AdamW moments, fp32 masters, LR schedule) chains iteration k-1 -> k.
-        calls.append(self.call("optimize", cfgs, policy=self.policy(k), rollouts=rollouts,
-                               advantages=L.stage(k, "advantages"), reference=reference, critic=critic,
-                               output=L.stage(k, "policy"), metrics_output=L.stage(k, "metrics"),
-                               critic_output=L.stage(k, "critic") if critic is not None else None, run=L.name,
-                               train_state=L.stage(k - 1, "train_state") if k > 0 else None,
-                               train_state_output=L.stage(k, "train_state")))
+        optimize = dict(policy=self.policy(k), rollouts=rollouts, advantages=L.stage(k, "advantages"),
+                        reference=reference, critic=critic, output=L.stage(k, "policy"),
+                        metrics_output=L.stage(k, "metrics"), run=L.name,
+                        critic_output=L.stage(k, "critic") if critic is not None else None)
+        # The training state (AdamW moments, fp32 masters, LR schedule, RNG) is saved by every
+        # state_every-th iteration, (k + 1) % N == 0, and by the last one; iteration k continues from
+        # the last saved one, j = N floor(k / N) - 1, and the optimize runs of j+1..k-1 (`replay`,
+        # rerun from their artifacts unless the engine is still warm in this process).
+        n = self.call("optimize", cfgs, **optimize).config.state_every
+        saved = n * (k // n) - 1
+        calls.append(self.call("optimize", cfgs, **optimize,
+                               train_state=L.stage(saved, "train_state") if saved >= 0 else None,
+                               replay=[L.stage(i, "policy") for i in range(saved + 1, k)],
+                               train_state_output=L.stage(k, "train_state")
+                               if (k + 1) % n == 0 or k == p.iterations - 1 else None))
         if k == p.iterations - 1 or (p.eval_every and (k + 1) % p.eval_every == 0):
             calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
                                    output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
@@ -229,7 +237,7 @@ class Plan:
             for name, path in call.config.inputs().items():
                 if Path(path) in written:
                     continue
-                problem = input_problem(path, call.config.input_fields()[name].kind)
+                problem = input_problem(path, call.config.input_kind(name))
                 if problem:
                     key = self._preset_key(path)
                     where = f"{key} (read as {call.name}.{name})" if key else f"{call.name}.{name}"

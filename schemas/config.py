@@ -139,8 +139,21 @@ class StageConfig(BaseModel):
         return {*cls.input_fields(), *cls.output_fields(), *_marked(cls, Assigned)}
 
     def inputs(self) -> dict[str, Path]:
-        """The input artifacts this config names (unset optional inputs left out)."""
-        return {name: getattr(self, name) for name in self.input_fields() if getattr(self, name) is not None}
+        """The input artifacts this config names (unset optional inputs left out); the items of a
+        list input `field: list[Path]` as `field[0]`, `field[1]`, ..."""
+        out: dict[str, Path] = {}
+        for name in self.input_fields():
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                out.update({f"{name}[{i}]": path for i, path in enumerate(value)})
+            elif value is not None:
+                out[name] = value
+        return out
+
+    @classmethod
+    def input_kind(cls, name: str) -> str:
+        """The kind of the input `name`, a key of `inputs()` (a field, or a list input's `field[i]`)."""
+        return cls.input_fields()[name.partition("[")[0]].kind
 
     def outputs(self) -> dict[str, Path]:
         """The artifacts this config writes (unset optional outputs left out)."""

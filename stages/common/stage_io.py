@@ -51,14 +51,14 @@ def input_refs(config: StageConfig) -> dict[str, InputRef]:
     from rlpipe.stages.common.models import checkpoint_key
 
     refs: dict[str, InputRef] = {}
-    kinds = config.input_fields()
     for name, path in config.inputs().items():
-        problem = input_problem(path, kinds[name].kind)
+        kind = config.input_kind(name)
+        problem = input_problem(path, kind)
         if problem:
             raise UserError(f"{name}: {problem}")
-        if kinds[name].kind == "checkpoint":
+        if kind == "checkpoint":
             refs[name] = InputRef(path=str(path), content_hash=checkpoint_key(path))
-        elif kinds[name].kind == "file":
+        elif kind == "file":
             refs[name] = InputRef(path=str(path), content_hash=content_sha256(path))
         else:
             refs[name] = read_manifest(path).as_input(path)

@@ -123,7 +123,8 @@ class OptimizeConfig(StageConfig):
     new policy (and critic) as Hugging Face checkpoints plus a `metrics` artifact.
     The training state (fp32 master weights, AdamW moments and step counts, LR-scheduler state, the
     stage's RNG state, the global step) persists between iterations: read from `train_state` when
-    given, written to `train_state_output` (DeepSpeed's own checkpoint; see state.py).
+    given (then the optimize steps of the `replay` checkpoints, when saved every `state_every`
+    iterations), written to `train_state_output` (DeepSpeed's own checkpoint; see state.py).
     """
 
     policy: Annotated[Path, Input("checkpoint")]
@@ -141,8 +142,15 @@ class OptimizeConfig(StageConfig):
     output: Annotated[Path, Output("checkpoint")]
     """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
     train_state: Annotated[Path | None, Input("train_state")] = None
-    """The previous iteration's `train_state` artifact to continue from (optimizer moments, fp32
-    masters, LR schedule, global step); None: a fresh AdamW at global step 0."""
+    """The last saved `train_state` artifact to continue from (optimizer moments, fp32 masters, LR
+    schedule, global step, RNG); None: a fresh AdamW at global step 0."""
+    replay: Annotated[list[Path], Input("checkpoint")] = []
+    """Policy checkpoints written by the optimize runs after `train_state` that saved no state
+    (`state_every` > 1), oldest first. Their optimize steps are rerun from `train_state`, each on its
+    own inputs with its own knobs (as its manifest records them; nothing is written), before this
+    run's: unless a warm engine of this process holds the state after the last of them. The replayed
+    policy must equal the last checkpoint bit for bit (else a clear error: a changed input or
+    nondeterminism). Empty: this run continues from `train_state` itself."""
     critic_output: Annotated[Path | None, Output("checkpoint")] = None
     """Where the new critic checkpoint goes; required when `critic` is set."""
     metrics_output: Annotated[Path, Output("metrics")]
@@ -190,9 +198,14 @@ class OptimizeConfig(StageConfig):
     iteration = epochs x rows / minibatch_size); needed by linear and cosine."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """m: the factor linear and cosine decay to at `total_steps`."""
-    state_every: int = Field(1, ge=1, le=1)
-    """Write the train state every N iterations. Only 1 is implemented: every iteration's optimize
-    writes it and the next one continues from it (a resumed run then recomputes nothing)."""
+    state_every: int = Field(1, ge=1)
+    """N: the pipeline writes the train state (~12 bytes per parameter) after iterations N-1,
+    2N-1, ... and the last one. An iteration after one that saved none reads the last saved state
+    plus the policy checkpoints since (`replay`): in one process the engine stays warm; a resumed
+    run replays those (at most N-1) iterations' optimize steps from their saved artifacts and ends
+    identical to an uninterrupted run. 1: every iteration saves it (nothing is ever replayed).
+    Launched in processes of its own (a `launch:` placement), optimize keeps no warm engine and
+    every iteration replays those since the last save (docs/design.md#train-state)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay (policy and critic)."""
     betas: tuple[float, float] = (0.9, 0.999)

@@ -6,17 +6,18 @@ writes the new policy (and critic) checkpoints and a `metrics` artifact. Rank 0 
 checkpoint's manifest is written last, so a complete policy checkpoint means a complete stage.
 
 Training state: AdamW moments, fp32 masters, the LR schedule's position and the global step persist
-between iterations in a `train_state` artifact (state.py): the input state, the input artifacts
-and the config determine a rerun completely, so a resumed run reproduces the same parameters.
-In one process the engines stay warm after writing a state, and the next run that would load
-exactly that state (same content hash, same engine knobs) takes them instead.
+between iterations in a `train_state` artifact (state.py), written every `state_every` iterations:
+the input state, the optimize runs since it (`replay`, rerun from their saved artifacts), the input
+artifacts and the config determine a rerun completely, so a resumed run reproduces the same
+parameters. In one process the engines stay warm after every run, and the next run that continues
+from exactly the state they hold takes them instead (replay.py).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,14 +35,13 @@ from rlpipe.schemas import (
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.forward import pack
-from rlpipe.stages.common.models import load_model, remember
+from rlpipe.stages.common.models import remember
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.optimize.config import OptimizeConfig, TRPOLoss
 from rlpipe.stages.optimize.core import (
     PolicyObjective,
     epoch_order,
-    lr_factor,
     policy_micro_loss,
     step_slices,
 )
@@ -52,6 +52,10 @@ from rlpipe.stages.optimize.losses import (
     explained_variance,
     value_moments,
 )
+from rlpipe.stages.optimize.replay import Engines
+from rlpipe.stages.optimize.replay import (
+    clear_warm as clear_warm,  # (re-exported: tests drop warm engines)
+)
 from rlpipe.stages.optimize.trpo_step import TRPOStep
 
 STAGE = "optimize"
@@ -60,14 +64,37 @@ STAGE = "optimize"
 @opens(STAGE)
 def run(config: OptimizeConfig, start: StageStart) -> Manifest:
     """Run the stage; returns the new policy checkpoint's manifest (on every rank)."""
-    inputs, key = start.inputs, start.key
-    started = start.started
-
     from rlpipe.stages.common import deepspeed as ds
     from rlpipe.stages.common.distributed import init_distributed
     from rlpipe.stages.optimize import engine as E
+    from rlpipe.stages.optimize.replay import engines_for
 
     d = init_distributed()
+    work = prepare(config, d)
+    timing: dict[str, float] = {}
+    # the state after the replayed runs (warm, or train_state + the `replay` checkpoints' steps)
+    engines, tokenizer = engines_for(E, config, work.dscfg, start.inputs, d, timing)
+    timing["setup_s"] = time.time() - start.started
+    rows = train(E, config, work, engines, tokenizer.pad_token_id, d.world_size, timing)
+    return _save(ds, config, start, work.batch, rows, engines, tokenizer, d.rank, timing)
+
+
+@dataclass
+class Work:
+    """One optimize run's batch and how it is cut into steps."""
+
+    batch: Batch
+    schedules: list
+    """Per epoch, per optimizer step, this rank's micro-batches (row indices)."""
+    dscfg: dict[str, Any]
+    """The DeepSpeed config (its gradient accumulation follows from the batch)."""
+    max_len: int
+
+
+def prepare(config: OptimizeConfig, d: Any) -> Work:
+    """Load the batch of `config`'s run and cut it into this rank's steps."""
+    from rlpipe.stages.common import deepspeed as ds
+
     batch = load_batch(config.rollouts, config.advantages, config.reference,
                        need_ref=config.kl_beta > 0 and config.lora is None, need_values=config.critic is not None)
     n = len(batch)
@@ -75,95 +102,34 @@ def run(config: OptimizeConfig, start: StageStart) -> Manifest:
     schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
                              config.micro_batch_size) for e in range(config.epochs)]
     grad_accum = minibatch // (d.world_size * config.micro_batch_size)
-    max_len = config.max_len or int(batch.lengths().max())
     dscfg = ds.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
                          world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
+    return Work(batch, schedules, dscfg, config.max_len or int(batch.lengths().max()))
 
-    pol, crit, tokenizer, rng = _engines(E, config, dscfg, inputs.get("train_state"))
-    pad_id = tokenizer.pad_token_id
+
+def train(E: Any, config: OptimizeConfig, work: Work, engines: Engines, pad_id: int, world_size: int,
+          timing: dict[str, float]) -> list[tuple[int, str, float]]:
+    """`config`'s optimize steps on `engines` (which then hold the state after them, RNG included);
+    returns the metric rows."""
+    batch, pol = work.batch, engines.policy
     if config.lora is not None and batch.ref_logp is None and config.kl_beta > 0:
         from rlpipe.stages.optimize.lora import adapters_disabled
 
         # The reference of a LoRA run is its base: the same model with the adapters off (no copy).
         with adapters_disabled(pol):
-            ref = _recompute_old_logprobs(E, pol, batch, schedules[0], pad_id, d.world_size)
-        batch.ref_logp = [ref[i] for i in range(n)]
-    timing = {"setup_s": time.time() - started}
+            ref = _recompute_old_logprobs(E, pol, batch, work.schedules[0], pad_id, world_size)
+        batch.ref_logp = [ref[i] for i in range(len(batch))]
     # The stage's torch RNG is the train state's (seeded on a fresh start), forked so that the
     # stages around it in one process see the global RNG as if optimize had not run.
     with torch.random.fork_rng(devices=[]):
-        if rng is None:
+        if engines.rng is None:
             torch.manual_seed(config.seed)
         else:
-            torch.set_rng_state(rng)
-        rows, step, stopped = _optimize(E, config, batch, schedules, pol, crit, pad_id, max_len, d.world_size, timing)
-        rng = torch.get_rng_state()
-    rows.append((0, "steps", float(step)))
-    rows.append((0, "early_stopped", float(stopped)))
-
-    return _save(ds, config, key, inputs, batch, rows, pol, crit, tokenizer, d.rank, started, timing, rng)
-
-
-#: The engines of the last optimize run in this process, kept warm for the next iteration:
-#: (train_state content hash, engine knobs) -> (policy engine, critic engine).
-_WARM: dict[tuple[str, str], tuple[Any, Any]] = {}
-
-
-def _engine_knobs(config: OptimizeConfig, dscfg: dict[str, Any]) -> str:
-    """Everything an engine is built from besides the state it holds: equal knobs and an equal
-    state mean the warm engine is the one a cold build + load_checkpoint would give."""
-    keys = ("lr", "critic_lr", "weight_decay", "betas", "lr_schedule", "warmup_steps", "total_steps",
-            "min_lr_ratio", "zero_stage", "dtype", "gradient_checkpointing", "seed", "lora")
-    knobs = {k: getattr(config, k) for k in keys}
-    return json.dumps({**knobs, "critic": config.critic is not None, "deepspeed": dscfg}, sort_keys=True, default=str)
-
-
-def clear_warm() -> None:
-    """Drop the warm engines (tests; a process that wants its memory back)."""
-    for pol, crit in _WARM.values():
-        for engine in (pol, crit):
-            if engine is not None:
-                engine.destroy()
-    _WARM.clear()
-
-
-def _engines(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: InputRef | None):
-    """(policy engine, critic engine or None, tokenizer, saved RNG state or None): the warm engines
-    when they hold `state`, else fresh engines continued from `state` (DeepSpeed load_checkpoint)."""
-    knobs = _engine_knobs(config, dscfg)
-    warm = _WARM.pop((state.content_hash, knobs), None) if state is not None else None
-    clear_warm()  # engines holding any other state are of no further use
-    if warm is not None:
-        pol, crit, rng = warm[0], warm[1], warm[0].rlpipe_rng_state
-        return pol, crit, load_model(config.policy)[1], rng  # the tokenizer (the policy is cached)
-    # Trainable copies: never train a model from the shared in-process cache.
-    policy, tokenizer = load_model(config.policy, cache=False)
-    if config.lora is not None:  # the adapters (and, continued from a state, the base) come from the state
-        from rlpipe.stages.optimize.lora import wrap
-
-        policy = wrap(policy, **config.lora.model_dump(), seed=config.seed)
-
-    def schedule(s: int) -> float:
-        return lr_factor(s, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.total_steps,
-                         min_lr_ratio=config.min_lr_ratio)
-
-    pol = E.make_engine(policy, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas,
-                        config=dscfg, gradient_checkpointing=config.gradient_checkpointing, lr_lambda=schedule)
-    crit = None
-    if config.critic is not None:
-        crit = E.make_engine(_load_critic(config.critic, config.seed), lr=config.critic_lr,
-                             weight_decay=config.weight_decay, betas=config.betas, config=dscfg,
-                             gradient_checkpointing=config.gradient_checkpointing, lr_lambda=schedule)
-    pol.rlpipe_knobs = knobs
-    rng = None
-    if state is not None:
-        from rlpipe.stages.optimize.lora import check_state
-        from rlpipe.stages.optimize.state import load_engines
-
-        check_state(Path(state.path), config.resolved()["lora"])
-
-        rng = load_engines({"policy": pol, **({"critic": crit} if crit is not None else {})}, Path(state.path))
-    return pol, crit, tokenizer, rng
+            torch.set_rng_state(engines.rng)
+        rows, step, stopped = _optimize(E, config, batch, work.schedules, pol, engines.critic, pad_id, work.max_len,
+                                        world_size, timing)
+        engines.rng = torch.get_rng_state()
+    return [*rows, (0, "steps", float(step)), (0, "early_stopped", float(stopped))]
 
 
 def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol: Any, crit: Any, pad_id: int,
@@ -208,17 +174,6 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
     timing["loop_s"] = time.perf_counter() - mark
     timing["tokens_per_s"] = trained_tokens / timing["loop_s"]
     return _batch_metrics(batch, old_logp, config.recompute_old_logprobs) + rows, step, stopped
-
-
-def _load_critic(path: Path, seed: int) -> torch.nn.Module:
-    """A trainable `ScalarHeadModel` critic (any architecture): a critic / reward checkpoint as
-    saved, or a causal LM's backbone with a new head initialised N(0, 1 / (H + 1)^2) from `seed`."""
-    from transformers.utils import logging as hf_logging
-
-    from rlpipe.stages.common.scalar_head import load_scalar_head_model
-
-    hf_logging.disable_progress_bar()
-    return load_scalar_head_model(path, "critic", new_head="normal", seed=seed)
 
 
 def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_id: int,
@@ -335,19 +290,21 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
     return rows
 
 
-def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef], batch: Batch,
-          rows: list[tuple[int, str, float]], pol: Any, crit: Any, tokenizer: Any, rank: int,
-          started: float, timing: dict[str, float], rng: torch.Tensor) -> Manifest:
+def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows: list[tuple[int, str, float]],
+          engines: Engines, tokenizer: Any, rank: int, timing: dict[str, float]) -> Manifest:
     """Rank 0 writes metrics, then the train state, the critic, then the policy (its manifest
-    last); the engines stay warm when a train state was written (else they are destroyed)."""
+    last); the engines stay warm for the next run, under the id of the state they hold (replay.py)."""
+    from rlpipe.stages.optimize.replay import keep_warm, saved_state_id, unsaved_state_id
+
+    key, inputs, started = start.key, start.inputs, start.started
     resolved = config.resolved()
-    engines = {"policy": pol, **({"critic": crit} if crit is not None else {})}
     if rank == 0:
         table = {"run": [config.run] * len(rows), "iteration": [batch.iteration] * len(rows),
                  "stage": [STAGE] * len(rows), "step": [r[0] for r in rows], "name": [r[1] for r in rows],
                  "value": [r[2] for r in rows]}
         write_table_artifact(config.metrics_output, METRICS, table, stage=STAGE, config=resolved,
                              inputs=inputs, cache_key=key)
+    state_id = None
     if config.train_state_output is not None:
         from rlpipe.stages.optimize.state import KIND, save_engines
 
@@ -356,19 +313,15 @@ def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef]
         # Staged like the checkpoints (every rank writes its shards): the old state stays whole
         # until the new one and its manifest are complete.
         with staged_directory(out, write=rank == 0, shared=True) as staging:
-            record = save_engines(engines, staging, rank, rng)
+            record = save_engines(engines.roles(), staging, rank, engines.rng)
             if rank == 0:
                 commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                                  extra={"kind": KIND, **record}, wall_time_s=time.time() - started)
         torch.distributed.barrier()
         timing["state_save_s"] = time.perf_counter() - mark
-        pol.rlpipe_rng_state = rng
-        _WARM[(read_manifest(out).content_hash, pol.rlpipe_knobs)] = (pol, crit)
-    else:
-        for engine in engines.values():
-            engine.destroy()
+        state_id = saved_state_id(read_manifest(out).content_hash)
     summary = {name: value for step, name, value in rows if step == max(r[0] for r in rows) or step == 0}
-    for engine, out, kind in ((crit, config.critic_output, "critic"), (pol, config.output, "causal")):
+    for engine, out, kind in ((engines.critic, config.critic_output, "critic"), (engines.policy, config.output, "causal")):
         if engine is None:
             continue
         out = Path(out)
@@ -384,7 +337,9 @@ def _save(ds: Any, config: OptimizeConfig, key: str, inputs: dict[str, InputRef]
         if rank == 0:
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
-    return read_manifest(config.output)
+    policy = read_manifest(config.output)
+    keep_warm(engines, state_id or unsaved_state_id(policy))
+    return policy
 
 
 def _merged(module: Any) -> Any:
@@ -399,5 +354,6 @@ def _save_adapter(config: OptimizeConfig, module: Any, staging: Path, inputs: di
 
     lora.save_adapter(module, staging / lora.ADAPTER_DIR)
     trainable, total = lora.parameter_counts(module)
+    continued = "train_state" in inputs or bool(config.replay)  # the adapters come from earlier runs
     return {"adapter": lora.ADAPTER_DIR, **config.lora.model_dump(), "trainable_parameters": trainable,
-            "total_parameters": total, "base": lora.base_record(config.policy, "train_state" in inputs)}
+            "total_parameters": total, "base": lora.base_record(config.policy, continued)}

@@ -1,0 +1,136 @@
+"""optimize.state_every: the train state is saved every N iterations (and by the last one); the
+iterations in between continue from it plus the optimize runs since (`replay`).
+
+A tiny GRPO run (fp32, CPU, one thread) saving the state every 2 iterations ends with the same
+policies, bit for bit (equal content hashes), as one saving it every iteration: uninterrupted (the
+engine stays warm), and stopped after iteration 2 and resumed without its warm engines (as a new
+process would: iteration 3 loads iteration 1's state and replays iteration 2's optimize run), and
+when iteration 3 is rerun alone from its saved config after the run folder moved. Equal bits, not a tolerance: the same
+deterministic kernels on the same inputs from the same state (see stages/optimize/replay.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import MINI
+
+from rlpipe.pipelines.layout import RunLayout
+from rlpipe.pipelines.plan import Plan
+from rlpipe.pipelines.preset import load_preset
+from rlpipe.pipelines.runner import Pipeline
+from rlpipe.schemas import read_manifest
+from rlpipe.schemas.config import ConfigError
+
+ITERATIONS = 4
+# MINI plus what makes every optimizer step move the policy (as in test_golden.py): a format
+# reward gives the groups reward variance (the micro model almost never answers correctly), a
+# reference model with kl_beta > 0, and two steps per iteration (the second off-policy).
+PRESET = {
+    **MINI, "iterations": ITERATIONS, "eval_every": ITERATIONS, "model": {"reference": True},
+    "score": {"components": [{"name": "correct", "type": "answer_match", "mode": "exact"},
+                             {"name": "printable", "type": "regex_format", "pattern": "^[ -~]", "weight": 0.5}]},
+    "optimize": {"lr": 1.0e-3, "micro_batch_size": 8, "minibatch_size": 8, "kl_beta": 0.04},
+}
+
+
+def _preset_file(folder: Path, every: int) -> Path:
+    path = folder / f"every{every}.yaml"
+    path.write_text(yaml.safe_dump({**PRESET, "optimize": {**PRESET["optimize"], "state_every": every}}))
+    return path
+
+
+def _run(preset_file: Path, run_dir: Path) -> Path:
+    Pipeline(load_preset(preset_file), run_dir, log=lambda s: None).run()
+    return run_dir
+
+
+def _hashes(run_dir: Path, artifact: str = "policy") -> list[str]:
+    return [read_manifest(run_dir / f"iter_{k:04d}" / artifact).content_hash for k in range(ITERATIONS)]
+
+
+def _replayed_runs(policy: Path) -> float:
+    return read_manifest(policy).extra["timing"].get("replayed_runs", 0.0)
+
+
+def _optimize(plan: Plan, k: int):
+    return next(c for c in plan.iteration(k) if c.name == "optimize").config
+
+
+def test_the_plan_saves_every_nth_state_and_replays_the_runs_since(tmp_path):
+    plan = Plan(load_preset("grpo", ["optimize.state_every=3", "iterations=7"]), RunLayout(tmp_path))
+    L = plan.layout
+    got = [(c.train_state, c.replay, c.train_state_output) for c in (_optimize(plan, k) for k in range(7))]
+    s, p = (lambda k: L.stage(k, "train_state")), (lambda k: L.stage(k, "policy"))
+    assert got == [(None, [], None), (None, [p(0)], None), (None, [p(0), p(1)], s(2)),
+                   (s(2), [], None), (s(2), [p(3)], None), (s(2), [p(3), p(4)], s(5)),
+                   (s(5), [], s(6))]  # the last iteration saves its state whatever N
+    # every replayed checkpoint is an input: its content hash keys the run
+    assert list(_optimize(plan, 5).inputs()) == ["policy", "rollouts", "advantages", "reference", "train_state",
+                                                 "replay[0]", "replay[1]"]
+    default = Plan(load_preset("grpo", ["iterations=3"]), RunLayout(tmp_path))
+    assert [(c.train_state, c.replay) for c in (_optimize(default, k) for k in range(3))] == [
+        (None, []), (s(0), []), (s(1), [])]
+
+
+def test_state_every_must_be_at_least_one():
+    with pytest.raises(ConfigError, match=r"key 'state_every': Input should be greater than or equal to 1 \(got 0\)"):
+        load_preset("grpo", ["optimize.state_every=0"])  # (the preset's stage configs are validated on load)
+
+
+@pytest.fixture(scope="module")
+def every_1(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("every1")
+    return _run(_preset_file(folder, 1), folder / "run")
+
+
+@pytest.mark.train_state
+@pytest.mark.slow
+def test_saving_every_2_iterations_ends_as_saving_every_one(every_1, tmp_path):
+    run = _run(_preset_file(tmp_path, 2), tmp_path / "run")
+    want = _hashes(every_1)
+    assert len(set(want)) == ITERATIONS  # every iteration moved the policy
+    assert _hashes(run) == want
+    assert _hashes(run, "metrics") == _hashes(every_1, "metrics")
+    assert [k for k in range(ITERATIONS) if (run / f"iter_{k:04d}" / "train_state").exists()] == [1, 3]
+    assert all((every_1 / f"iter_{k:04d}" / "train_state").exists() for k in range(ITERATIONS))
+    assert [_replayed_runs(run / f"iter_{k:04d}" / "policy") for k in range(ITERATIONS)] == [0.0] * 4  # all warm
+
+
+@pytest.mark.train_state
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_killed_run_resumes_by_replaying_from_the_saved_state(every_1, tmp_path):
+    from rlpipe.stages.common.cli import stage_main
+    from rlpipe.stages.optimize.run import clear_warm
+
+    preset, run = _preset_file(tmp_path, 2), tmp_path / "run"
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_iteration_2(record):
+        if record.iteration == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        Pipeline(load_preset(preset), run, on_iteration=kill_after_iteration_2, log=lambda s: None).run()
+    assert (run / "iter_0002" / "policy").is_dir() and not (run / "iter_0003" / "policy").exists()
+    # As in a new process: no warm engine holds the state after iteration 2 (nor any other).
+    clear_warm()
+    _run(preset, run)
+    assert _replayed_runs(run / "iter_0003" / "policy") == 1.0  # iteration 2, from iteration 1's state
+    assert _hashes(run) == _hashes(every_1)
+
+    # The stage alone, from iteration 3's saved config, after the run folder moved: the replayed
+    # run's inputs are found beside its checkpoint (its manifest names the old paths).
+    moved = run.rename(tmp_path / "moved")
+    clear_warm()
+    again = tmp_path / "again"
+    assert stage_main("optimize", ["-c", str(moved / "iter_0003" / "configs" / "optimize.yaml"),
+                                   f"output={again}/policy", f"metrics_output={again}/metrics",
+                                   f"train_state_output={again}/state"]) == 0
+    assert _replayed_runs(again / "policy") == 1.0
+    assert read_manifest(again / "policy").content_hash == _hashes(every_1)[3]
