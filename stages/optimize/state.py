@@ -54,12 +54,27 @@ def save_engines(engines: dict[str, Any], out: Path, rank: int, rng_state: torch
     dist.barrier()  # out exists on every rank before any writes into it
     record: dict[str, Any] = {}
     for role, engine in engines.items():
-        engine.save_checkpoint(str(out / role), tag=TAG, client_state={"torch_rng_state": rng_state})
+        client = {"torch_rng_state": rng_state, MASTER_NAMES: _master_names(engine)}
+        engine.save_checkpoint(str(out / role), tag=TAG, client_state=client)
         record = {**topology(engine), "global_steps": int(engine.global_steps)}
     if rank == 0:
         (out / TOPOLOGY).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     dist.barrier()
     return record
+
+
+#: client-state key: the parameter names of the fp32 masters, in the optimizer's group order,
+#: where DeepSpeed records none (ZeRO 0 in bf16: `param_shapes` is saved only under ZeRO).
+MASTER_NAMES = "rlpipe_master_names"
+
+
+def _master_names(engine: Any) -> list[str] | None:
+    """The names of the unfused bf16 optimizer's fp32 masters (`fp32_groups`), group by group."""
+    groups = getattr(engine.optimizer, "fp16_groups", None)
+    if engine.zero_optimization_stage() > 0 or not engine.bfloat16_enabled() or groups is None:
+        return None
+    name_of = {id(p): n for n, p in engine.module.named_parameters()}
+    return [name_of[id(p)] for group in groups for p in group]
 
 
 def load_engines(engines: dict[str, Any], state: Path) -> torch.Tensor | None:
@@ -179,6 +194,6 @@ def master_weights(state: Path, role: str = "policy") -> dict[str, torch.Tensor]
     states = torch.load(folder / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     if not record["bf16"]:
         return dict(states["module"])
-    names = [n for group in states["param_shapes"] for n in group]  # one {name: shape} per param group
+    names = states[MASTER_NAMES]  # DeepSpeed saves no param_shapes without ZeRO (save_engines)
     masters = [t for group in states["optimizer"]["fp32_groups"] for t in group]
     return dict(zip(names, masters, strict=True))
