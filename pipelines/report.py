@@ -27,6 +27,7 @@ from typing import Any
 
 from rlpipe.schemas import MANIFEST_NAME, ArtifactError, exists, read_manifest, read_table_artifact
 from rlpipe.schemas.atomic import write_if_changed
+from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name, iteration_dirs
 
 #: The component a preset names `correct` (an answer-match verifier) is shown as accuracy.
@@ -165,13 +166,16 @@ def run_table(run_dir: Path | str):
 
 
 def sample_completions(run_dir: Path | str, k: int, n: int = SAMPLES_PER_ITERATION):
-    """The first n completions of iteration k (by group, then sample): prompt, response, reward
+    """n completions of iteration k, one per prompt first (sample 0 of groups 0, 1, ..., then
+    sample 1 of each, ...), so a page of them shows n different prompts: prompt, response, reward
     (from scores; null before scoring), answer and finish reason."""
     import polars as pl
 
     it = Path(run_dir) / iteration_dir_name(k)
     cols = ["group_id", "sample_index", "prompt", "response", "answer", "finish_reason"]
-    r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=cols)).sort("group_id", "sample_index").head(n)
+    r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=cols))
+    r = r.filter(pl.col("sample_index") != GREEDY_SAMPLE_INDEX)  # ReMax's baselines are no samples
+    r = r.sort("sample_index", "group_id").head(n)
     if exists(it / "scores"):
         s = pl.from_arrow(read_table_artifact(it / "scores", columns=["group_id", "sample_index", "reward"]))
         r = r.join(s, on=["group_id", "sample_index"], how="left")

@@ -74,7 +74,9 @@ def test_report_is_rewritten_after_every_iteration(mini_run):
 def test_sample_completions_join_rewards_to_rollouts(mini_run):
     it = mini_run.run_dir / "iter_0001"
     samples = sample_completions(mini_run.run_dir, 1, n=5)
-    rollouts = _frame(it / "rollouts").sort("group_id", "sample_index").head(5)
+    rollouts = _frame(it / "rollouts").sort("sample_index", "group_id").head(5)
+    # the 4 prompts' first samples, then the first prompt's second sample
+    assert rollouts.select("sample_index", "group_id").rows() == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
     scores = _frame(it / "scores")
     assert samples["prompt"].to_list() == rollouts["prompt"].to_list()
     assert samples["response"].to_list() == rollouts["response"].to_list()
