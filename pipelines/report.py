@@ -135,10 +135,37 @@ def stage_seconds(iteration_dir: Path) -> dict[str, float]:
     return wall
 
 
+#: iteration directory -> (its fingerprint, its row): the live report and the sinks rebuild the
+#: run table after every iteration; without this, iteration n re-reads every artifact of the n - 1
+#: before it (measured: 0.27 s per iteration at 20 iterations, growing linearly with the run).
+_ROWS: dict[str, tuple[tuple, dict[str, float]]] = {}
+
+
+def _fingerprint(iteration_dir: Path) -> tuple:
+    """What an iteration's row is computed from: each artifact's manifest, by name, size and
+    modification time. A manifest is written last and renamed into place, so any rewrite of an
+    artifact (a rerun, --force, a new stage) changes it."""
+    stats = []
+    for art in sorted(iteration_dir.iterdir()):
+        try:
+            st = (art / MANIFEST_NAME).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        stats.append((art.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(stats)
+
+
 def iteration_row(run_dir: Path | str, k: int) -> dict[str, float]:
-    """One row of `run_table`: the shown iteration number, the summary and the stage times."""
-    return {"iteration": shown_iteration(k), **iteration_metrics(run_dir, k),
-            **stage_seconds(Path(run_dir) / iteration_dir_name(k))}
+    """One row of `run_table`: the shown iteration number, the summary and the stage times
+    (computed once per state of the iteration's artifacts)."""
+    it = Path(run_dir) / iteration_dir_name(k)
+    key, fingerprint = str(it.resolve()), _fingerprint(it)
+    cached = _ROWS.get(key)
+    if cached is not None and cached[0] == fingerprint:
+        return dict(cached[1])
+    row = {"iteration": shown_iteration(k), **iteration_metrics(run_dir, k), **stage_seconds(it)}
+    _ROWS[key] = (fingerprint, row)
+    return dict(row)
 
 
 def eval_metrics(path: Path | str) -> dict[str, float]:

@@ -58,6 +58,26 @@ def test_summary_is_recomputed_from_the_artifacts(mini_run):
     assert mini_run.records[1].metrics == iteration_metrics(run, 1)
 
 
+def test_run_table_rows_follow_the_artifacts_they_are_computed_from(mini_run, tmp_path):
+    """Rows are computed once per state of an iteration's artifacts (the live report rebuilds the
+    table every iteration): a rewritten or removed artifact is seen at once."""
+    run = shutil.copytree(mini_run.run_dir, tmp_path / "run")
+    before = run_table(run)
+    assert run_table(run).equals(before)
+    it = run / "iter_0001"
+    # rewrite iteration 2's metrics with another entropy (a rerun's manifest replaces the old one)
+    metrics = _frame(it / "metrics").with_columns(
+        pl.when(pl.col("name") == "entropy").then(pl.col("value") + 1.0).otherwise(pl.col("value")).alias("value"))
+    shutil.rmtree(it / "metrics")
+    write_table_artifact(it / "metrics", METRICS, metrics.to_arrow(), stage="optimize",
+                         config=read_manifest(mini_run.run_dir / "iter_0001" / "metrics").config)
+    after = run_table(run)
+    assert after["entropy"][1] == pytest.approx(before["entropy"][1] + 1.0, rel=1e-12)
+    assert after["entropy"][0] == before["entropy"][0]
+    shutil.rmtree(it / "eval")
+    assert run_table(run)["eval_accuracy"][1] is None
+
+
 def test_report_is_rewritten_after_every_iteration(mini_run):
     during = mini_run.pages_during_run
     assert len(during) == 2
