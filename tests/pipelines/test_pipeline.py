@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,12 @@ def test_pipeline_writes_the_layout_and_a_rerun_recomputes_nothing(mini_preset_f
     before = _created(run_dir)
     Pipeline(load_preset(mini_preset_file), run_dir, log=lines.append).run()
     assert _created(run_dir) == before  # every stage was a cache hit: no manifest rewritten
+
+    # A copy of the run directory elsewhere (same folder name: the run name is a column of the
+    # artifacts) reruns as all cache hits too: cache keys hold contents, not paths.
+    copy = shutil.copytree(run_dir, tmp_path / "elsewhere" / "mini")
+    Pipeline(load_preset(mini_preset_file), copy, log=lines.append).run()
+    assert _created(copy) == before
 
 
 @pytest.mark.integration
