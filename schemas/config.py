@@ -103,6 +103,17 @@ ImportRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 """A user function's import path, 'package.module:function' (imported when it is first needed)."""
 
 
+def list_item_name(field: str, index: int) -> str:
+    """The name of item `index` of a list input `field` in `StageConfig.inputs()`: `field[index]`."""
+    return f"{field}[{index}]"
+
+
+def split_list_item(name: str) -> tuple[str, int | None]:
+    """(field, index) of an `inputs()` name: `replay[2]` -> ('replay', 2), `policy` -> ('policy', None)."""
+    field, bracket, rest = name.partition("[")
+    return field, int(rest[:-1]) if bracket else None
+
+
 class StageConfig(BaseModel):
     """Base of every config: immutable, unknown keys rejected, field docs from docstrings.
 
@@ -145,7 +156,7 @@ class StageConfig(BaseModel):
         for name in self.input_fields():
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
-                out.update({f"{name}[{i}]": path for i, path in enumerate(value)})
+                out.update({list_item_name(name, i): path for i, path in enumerate(value)})
             elif value is not None:
                 out[name] = value
         return out
@@ -153,7 +164,7 @@ class StageConfig(BaseModel):
     @classmethod
     def input_kind(cls, name: str) -> str:
         """The kind of the input `name`, a key of `inputs()` (a field, or a list input's `field[i]`)."""
-        return cls.input_fields()[name.partition("[")[0]].kind
+        return cls.input_fields()[split_list_item(name)[0]].kind
 
     def outputs(self) -> dict[str, Path]:
         """The artifacts this config writes (unset optional outputs left out)."""

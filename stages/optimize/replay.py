@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rlpipe.schemas import InputRef, Manifest, read_manifest
+from rlpipe.schemas.config import split_list_item
 from rlpipe.schemas.errors import UserError
 from rlpipe.stages.optimize.config import OptimizeConfig
 
@@ -204,15 +205,22 @@ def _chained(config: OptimizeConfig, inputs: dict[str, InputRef], i: int) -> Man
         raise UserError(f"{where}: not a policy checkpoint written by the optimize stage (stage "
                         f"{manifest.stage!r}); list the policy checkpoints written after train_state, oldest first")
     # It read the same train_state and replayed the same checkpoints before it as this run does.
-    chain = {name: ref.content_hash for name, ref in inputs.items()
-             if name == "train_state" or (name.startswith("replay[") and int(name[7:-1]) < i)}
-    recorded = {name: ref.content_hash for name, ref in manifest.inputs.items()
-                if name == "train_state" or name.startswith("replay[")}
+    chain = {name: ref.content_hash for name, ref in inputs.items() if _in_chain(name, before=i)}
+    recorded = {name: ref.content_hash for name, ref in manifest.inputs.items() if _in_chain(name)}
     if chain != recorded:
         raise UserError(f"{where}: its optimize run continued from {_describe(manifest.inputs)}, but this run has "
                         f"{_describe(inputs, i)} before it; replay must list the policy checkpoints written after "
                         "train_state (by runs that saved no state), oldest first")
     return manifest
+
+
+def _in_chain(name: str, before: int | None = None) -> bool:
+    """Whether the input `name` is part of the state a run continues from: its train_state, or
+    one of its replay checkpoints (those before index `before`, when given)."""
+    field, index = split_list_item(name)
+    if field == "train_state":
+        return True
+    return field == "replay" and index is not None and (before is None or index < before)
 
 
 def _where(path: Path, i: int) -> str:
@@ -233,8 +241,7 @@ def _replayed_config(manifest: Manifest, path: Path, i: int) -> OptimizeConfig:
 
 def _describe(inputs: dict[str, InputRef], before: int | None = None) -> str:
     state = inputs.get("train_state")
-    replayed = [ref.path for name, ref in inputs.items() if name.startswith("replay[")
-                and (before is None or int(name[7:-1]) < before)]
+    replayed = [ref.path for name, ref in inputs.items() if name != "train_state" and _in_chain(name, before)]
     return f"train_state {state.path if state else None} and replay {replayed}"
 
 
