@@ -59,7 +59,11 @@ POINTS = [
     KillPoint("policy checkpoint save (files written, no manifest)",
               pause="rlpipe.stages.optimize.run:commit_directory@1", before=("iter_0000/policy",)),
     KillPoint("boundary optimize | evaluate", after=("iter_0000/policy",), before=("iter_0000/eval",)),
-    KillPoint("during evaluation of iteration 0 (scores done)", after=("iter_0000/eval/scores",), before=("iter_0000/eval",)),
+    # A pause, not a poll: once its scores are written the evaluation's own metrics follow within
+    # milliseconds, so a poll can land after them on a loaded machine. In this segment the initial
+    # evaluation is a cache hit, so the first metrics write is iteration 0's.
+    KillPoint("during evaluation of iteration 0 (scores done)",
+              pause="rlpipe.stages.evaluate.run:write_table_artifact@1", before=("iter_0000/eval",)),
     KillPoint("boundary iteration 0 | iteration 1", after=("iter_0000/eval",), before=("iter_0001/rollouts",)),
 ]
 
