@@ -41,10 +41,12 @@ def deepspeed_template(stage: int) -> dict[str, Any]:
 
 def stage_command(stage: str, args: Sequence[str] = (), *, nproc_per_node: int = 1, nnodes: int = 1,
                   node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 29500,
-                  launcher: Launcher = "torchrun", hostfile: str | None = None) -> list[str]:
+                  launcher: Launcher = "torchrun", hostfile: str | None = None,
+                  module: str | None = None) -> list[str]:
     """argv that runs `python -m rlpipe.stages.<stage> <args>` on nnodes x nproc_per_node ranks.
 
     Args:
+        module: run this module instead of the stage's (a resident worker: rlpipe.cluster.worker).
         launcher: 'torchrun' (sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*) or 'deepspeed'
             (the deepspeed launcher; with `hostfile` it ssh-es to the listed hosts itself).
     """
@@ -52,7 +54,7 @@ def stage_command(stage: str, args: Sequence[str] = (), *, nproc_per_node: int =
         raise ValueError(f"bad topology: nnodes={nnodes} node_rank={node_rank} nproc_per_node={nproc_per_node}")
     from rlpipe.cluster.submit import module_for
 
-    module = module_for(stage)  # the registry's module (or the smoke test's)
+    module = module or module_for(stage)  # the registry's module (or the smoke test's)
     if launcher == "torchrun":
         return ["torchrun", "--nproc_per_node", str(nproc_per_node), "--nnodes", str(nnodes),
                 "--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(master_port),

@@ -13,6 +13,11 @@ runs a stage, as the preset's `launch` section places it (`rlpipe.cluster.placem
   (`rlpipe.flows.pools`), which a worker of that pool picks up and runs as `processes` would;
   placed stages without one run as `processes` on the driver's machine.
 
+With `launch.resident` (the default) a placed stage of the RL iterations is started once per run
+as a worker group that takes each call as a work order (`rlpipe.cluster.resident`): the same
+processes, nodes and GPUs, running `python -m rlpipe.cluster.worker` instead of the stage; set-up
+stages and `resident: false` launch per call.
+
 Every launched process runs the config file the pipeline saved, so what it computes, and its
 cache key, is that of `rlpipe stage <name> -c <file>`: a stage whose manifest matches skips
 itself when it starts (resume), and the artifacts equal the in-process run's. The manifest is the
@@ -34,10 +39,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlpipe.cluster.launch import LOOPBACK, free_port, local_env, stage_command, torchrun_executable
 from rlpipe.cluster.placement import Launch, StagePlacement
@@ -45,6 +50,10 @@ from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.runs import iteration_index
 from rlpipe.stages import get_stage
+
+if TYPE_CHECKING:
+    from rlpipe.cluster.resident import Handle
+    from rlpipe.cluster.workorders import GroupDir
 
 LOG_TAIL_LINES = 40
 
@@ -66,16 +75,27 @@ class StageLaunchError(RuntimeError):
 class Launcher(Protocol):
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest: ...
 
+    def close(self) -> None:
+        """Stop what the launcher keeps running for the run (resident worker groups)."""
+        ...
 
-def run_in_process(call: StageCall, *, force: bool = False) -> Manifest:
+
+class InProcessLauncher:
     """The local launcher: the stage runs in this process. Before a training stage ('ranks'
     scaling) a vLLM engine a rollout left in this process is torn down, so that optimize gets the
     GPUs' memory (the next rollout starts an engine on the new checkpoint)."""
-    engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
-    if engine is not None and get_stage(call.name).scaling == "ranks":
-        engine.release()
 
-    return get_stage(call.name).run(call.config, force=force)
+    def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
+        engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
+        if engine is not None and get_stage(call.name).scaling == "ranks":
+            engine.release()
+        return get_stage(call.name).run(call.config, force=force)
+
+    def close(self) -> None:
+        pass
+
+
+run_in_process = InProcessLauncher()
 
 
 def launcher_for(launch: Launch) -> Launcher:
@@ -160,22 +180,40 @@ def loopback_interface() -> str:
 
 
 class PlacedLauncher:
-    """A launcher for placed stages; unplaced stages run in the driver's process."""
+    """A launcher for placed stages; unplaced stages run in the driver's process. A placed stage
+    of the RL iterations runs on its resident group (`launch.resident`), others per call."""
 
     def __init__(self, launch: Launch):
+        from rlpipe.cluster.resident import ResidentGroups
+
         self.launch = launch
+        self.groups = ResidentGroups(launch, self.start_group)
 
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
+        from rlpipe.cluster.resident import StageLaunchFailure
+
         placement = self.launch.placement(call.name)
         if placement is None:
             return run_in_process(call, force=force)
         logs = log_dir(call)
         logs.mkdir(parents=True, exist_ok=True)
-        log = self.start(call, placement, force, logs)
+        if not (self.launch.resident and iteration_index(logs.name) is not None):
+            return completed(call, self.start(call, placement, force, logs))
+        try:
+            log = self.groups.run(call, placement, force, logs)
+        except StageLaunchFailure as e:
+            raise StageLaunchError(call.name, e.exit_code, e.log, e.detail) from None
         return completed(call, log)
+
+    def close(self) -> None:
+        self.groups.close()
 
     def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
         """Run the placed stage to its end (raise StageLaunchError on failure); returns its log."""
+        raise NotImplementedError
+
+    def start_group(self, stage: str, p: StagePlacement, group: GroupDir, members: int, logs: Path) -> Handle:
+        """Start the resident group of a placed stage (`rlpipe.cluster.resident.StartGroup`)."""
         raise NotImplementedError
 
 
@@ -190,19 +228,39 @@ class Process:
 
 
 def local_processes(call: StageCall, p: StagePlacement, force: bool, logs: Path) -> list[Process]:
-    """The processes of a placed stage on this machine (see the module doc)."""
-    scaling = get_stage(call.name).scaling
-    argv = stage_argv(call, force)
+    """The processes of one call of a placed stage on this machine (see the module doc)."""
+    return placed_processes(call.name, p, stage_argv(call, force), logs,
+                            lambda i, n: [f"worker_index={i}", f"worker_count={n}"])
+
+
+def group_processes(stage: str, p: StagePlacement, group: GroupDir, logs: Path) -> list[Process]:
+    """The processes of a placed stage's resident group on this machine."""
+    return placed_processes(stage, p, worker_argv(group), logs, lambda i, n: ["--member", str(i), "--members", str(n)])
+
+
+def worker_argv(group: GroupDir) -> list[str]:
+    """`-m rlpipe.cluster.worker --group <folder>`: what every member of a resident group runs."""
+    return ["-m", WORKER_MODULE, "--group", str(group.path.absolute())]
+
+
+WORKER_MODULE = "rlpipe.cluster.worker"
+
+
+def placed_processes(stage: str, p: StagePlacement, argv: list[str], logs: Path,
+                     split: Callable[[int, int], list[str]]) -> list[Process]:
+    """`python <argv>` placed as `p` says: one torchrun job for a 'ranks' stage, N worker
+    processes of a 'shards' stage (worker i gets the arguments `split(i, N)`), else one."""
+    scaling = get_stage(stage).scaling
     env = process_env(p, loopback=True)
     if scaling == "ranks":
-        cmd = stage_command(call.name, argv[2:], nproc_per_node=p.ranks_per_node,
-                            master_addr=LOOPBACK, master_port=free_port())
-        return [Process([torchrun_executable(), *cmd[1:]], env, logs / f"{call.name}.log")]
+        cmd = stage_command(stage, argv[2:], nproc_per_node=p.ranks_per_node, master_addr=LOOPBACK,
+                            master_port=free_port(), module=argv[1])
+        return [Process([torchrun_executable(), *cmd[1:]], env, logs / f"{stage}.log")]
     if scaling == "shards" and p.workers > 1:
-        return [Process([sys.executable, *argv, f"worker_index={i}", f"worker_count={p.workers}"],
-                        _gpus(env, range(i * p.gpus, (i + 1) * p.gpus)), logs / f"{call.name}.{i}.log")
+        return [Process([sys.executable, *argv, *split(i, p.workers)],
+                        _gpus(env, range(i * p.gpus, (i + 1) * p.gpus)), logs / f"{stage}.{i}.log")
                 for i in range(p.workers)]
-    return [Process([sys.executable, *argv], _gpus(env, range(p.gpus)), logs / f"{call.name}.log")]
+    return [Process([sys.executable, *argv], _gpus(env, range(p.gpus)), logs / f"{stage}.log")]
 
 
 def _gpus(env: dict[str, str], ids: range) -> dict[str, str]:
@@ -210,14 +268,19 @@ def _gpus(env: dict[str, str], ids: range) -> dict[str, str]:
     return {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if len(ids) else env
 
 
+def start_processes(procs: Sequence[Process], running: list[tuple[Process, subprocess.Popen]]) -> None:
+    """Start every process (each in its own session, output to its log), appending to `running`."""
+    for proc in procs:
+        with open(proc.log, "wb") as out:  # the child keeps its own copy of the descriptor
+            running.append((proc, subprocess.Popen(proc.argv, env=proc.env, stdout=out, stdin=subprocess.DEVNULL,
+                                                   stderr=subprocess.STDOUT, start_new_session=True)))
+
+
 def run_processes(stage: str, procs: Sequence[Process], poll: float = 0.05) -> None:
     """Start every process, wait for all; the first failure stops the others and raises."""
     running: list[tuple[Process, subprocess.Popen]] = []
     try:
-        for proc in procs:
-            with open(proc.log, "wb") as out:  # the child keeps its own copy of the descriptor
-                running.append((proc, subprocess.Popen(proc.argv, env=proc.env, stdout=out,
-                                                       stderr=subprocess.STDOUT, start_new_session=True)))
+        start_processes(procs, running)
         pending = list(running)
         while pending:
             for proc, popen in list(pending):
@@ -248,13 +311,43 @@ def _stop(popens: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
+class ProcessGroup:
+    """A resident group's processes (`rlpipe.cluster.resident.Handle`): worker processes, one
+    torchrun job, or an srun step; member i is process i when there is one per member."""
+
+    def __init__(self, procs: Sequence[Process]):
+        self.running: list[tuple[Process, subprocess.Popen]] = []
+        try:
+            start_processes(procs, self.running)
+        except BaseException:
+            self.stop(0.0)
+            raise
+
+    @property
+    def logs(self) -> list[Path]:
+        return [proc.log for proc, _ in self.running]
+
+    def ended(self) -> tuple[int, int | None] | None:
+        for i, (_, popen) in enumerate(self.running):
+            code = popen.poll()
+            if code is not None:
+                return code, i if len(self.running) > 1 else None
+        return None
+
+    def stop(self, grace: float) -> None:
+        _stop([popen for _, popen in self.running], grace)
+
+
 class ProcessLauncher(PlacedLauncher):
-    """Placed stages as processes on this machine (`local_processes`)."""
+    """Placed stages as processes on this machine (`local_processes`, `group_processes`)."""
 
     def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
         procs = local_processes(call, p, force, logs)
         run_processes(call.name, procs)
         return procs[0].log
+
+    def start_group(self, stage: str, p: StagePlacement, group: GroupDir, members: int, logs: Path) -> Handle:
+        return ProcessGroup(group_processes(stage, p, group, logs))
 
 
 class PrefectPoolLauncher(PlacedLauncher):

@@ -31,7 +31,7 @@ that pool's workers (which start the stage's processes as `processes` would); th
 `processes`."""
 
 #: The settings of the `launch` section that are not stage names.
-SETTINGS = ("launcher", "kubernetes", "stages")
+SETTINGS = ("launcher", "resident", "stall_timeout_s", "driver_timeout_s", "kubernetes", "stages")
 
 
 class _Spec(BaseModel):
@@ -90,6 +90,21 @@ class Launch(_Spec):
 
     launcher: LauncherName = "local"
     """Who runs the placed stages (see LauncherName)."""
+    resident: bool = True
+    """A placed stage of the RL iterations runs as a worker group started once for the run, which
+    takes each iteration's saved config as a work order and keeps its engines warm in memory
+    (rollout loads each new policy in place, optimize keeps its DeepSpeed state). False: one
+    launch (new processes) per stage call, for GPUs that stages take by turns. Set-up stages
+    (sft, reward_model) always launch per call."""
+    stall_timeout_s: float = Field(1800.0, gt=0)
+    """Resident groups: a call whose workers are alive but write no output for this long is
+    stopped and fails as stuck (a hung collective, a deadlock). Progress lines come every few
+    seconds while a stage works; allow for the longest silent step, such as loading a large model
+    (a worker's start-up imports are not counted)."""
+    driver_timeout_s: float = Field(60.0, gt=0)
+    """Resident groups on other hosts than the driver's: workers leave when the driver's
+    heartbeat (rewritten every driver_timeout_s / 6) stops for this long. On the driver's host
+    they watch its process and leave within a second of its death."""
     stages: dict[str, StagePlacement] = Field(default_factory=dict)
     """Stage name -> placement. Written in a preset as keys of `launch` itself
     (`launch: {rollout: {workers: 4}}`)."""
@@ -111,7 +126,8 @@ class Launch(_Spec):
             if key in SETTINGS:
                 continue
             if key not in STAGES:
-                raise ValueError(f"launch.{key}: neither a setting ({', '.join(SETTINGS[:2])}) nor a "
+                settings = ", ".join(s for s in SETTINGS if s != "stages")
+                raise ValueError(f"launch.{key}: neither a setting ({settings}) nor a "
                                  f"stage ({', '.join(STAGES)})")
             stages[key] = value
         if stages:

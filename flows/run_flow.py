@@ -38,7 +38,7 @@ from prefect.cache_policies import NONE  # noqa: E402
 from prefect.states import State  # noqa: E402
 from prefect.utilities.annotations import quote  # noqa: E402
 
-from rlpipe.cluster.launchers import Launcher, launcher_for, run_in_process  # noqa: E402
+from rlpipe.cluster.launchers import Launcher, run_in_process  # noqa: E402
 from rlpipe.pipelines.plan import Plan, StageCall  # noqa: E402
 from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
@@ -149,7 +149,7 @@ def publish_table(run: str, run_dir: Path) -> None:
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
     pipeline = Pipeline(preset, run_dir, log=get_run_logger().info)
-    pipeline.call = FlowStages(pipeline.plan, pipeline.layout.name, launcher_for(preset.launch))
+    pipeline.call = FlowStages(pipeline.plan, pipeline.layout.name, pipeline.launcher)
     pipeline.on_iteration = lambda record: publish_table(pipeline.layout.name, pipeline.layout.root)
     pipeline.run()
     return str(pipeline.layout.root)

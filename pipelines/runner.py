@@ -52,7 +52,8 @@ class Pipeline:
         preset: the validated preset.
         run_dir: the run directory (default runs/<preset.name>).
         call: how a stage call is run (its saved config file is `call.config_file`); default: the
-            launcher of `preset.launch` (`rlpipe.cluster.launchers.launcher_for`).
+            launcher of `preset.launch` (`rlpipe.cluster.launchers.launcher_for`), `self.launcher`,
+            which the run closes when it ends (stopping its resident worker groups).
         on_iteration: called with each IterationRecord (the flow publishes Prefect artifacts).
         log: where progress lines go.
     """
@@ -63,11 +64,10 @@ class Pipeline:
         self.preset = preset
         self.layout = RunLayout(Path(run_dir) if run_dir is not None else Path("runs") / preset.name)
         self.plan = Plan(preset, self.layout, str(self.layout.preset_file))
-        if call is None:
-            from rlpipe.cluster.launchers import launcher_for
+        from rlpipe.cluster.launchers import launcher_for
 
-            call = launcher_for(preset.launch)
-        self.call = call
+        self.launcher = launcher_for(preset.launch)
+        self.call = call or self.launcher
         self.on_iteration = on_iteration
         self.log = log
         self.records: list[IterationRecord] = []
@@ -86,7 +86,10 @@ class Pipeline:
         """Set-up stages, then the iterations; returns one record per iteration."""
         self.layout.root.mkdir(parents=True, exist_ok=True)
         with run_lock(self.layout.root, log=self.log) as writable:
-            return self._run(writable)
+            try:
+                return self._run(writable)
+            finally:  # the run ended, failed or was interrupted: no worker outlives it
+                self.launcher.close()
 
     def _run(self, writable: bool) -> list[IterationRecord]:
         from rlpipe.pipelines.sinks import RunMonitor

@@ -113,15 +113,16 @@ def full_parameters(engine: Any) -> Iterator[torch.nn.Module]:
 
 
 def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,
-                    part: Callable[[Any], Any] | None = None) -> Any:
+                    part: Callable[[Any], Any] | None = None, keep_copy: bool = True) -> Any:
     """Save the full model + tokenizer (rank 0) as a Hugging Face checkpoint; collective under ZeRO-3.
 
     Args:
         part: picks the Hugging Face model inside the engine's module (e.g. the model a
             head-adding wrapper holds); default: the engine's module itself.
+        keep_copy: return a copy of the saved model (for the in-process cache).
 
-    Returns, on rank 0, a plain copy of the saved model in eval mode (no DeepSpeed hooks), equal
-    to what loading `out_dir` gives; None on other ranks.
+    Returns, on rank 0 with `keep_copy`, a plain copy of the saved model in eval mode (no
+    DeepSpeed hooks), equal to what loading `out_dir` gives; else None.
     """
     from rlpipe.stages.common.tiny import save_pretrained as save
 
@@ -130,6 +131,8 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
         if rank == 0:
             module = whole if part is None else part(whole)
             save(module, tokenizer, out_dir)
+            if not keep_copy:
+                return None
             copy = type(module)(module.config)
             copy.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
             if module.can_generate():

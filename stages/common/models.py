@@ -7,12 +7,21 @@ is free when X is already in memory and gives exactly what loading from disk giv
 
 Cached models are shared: callers must treat them as read-only (eval mode, no optimizer steps).
 A stage that trains copies the weights first (`copy.deepcopy`) or loads with `cache=False`.
+
+A slot (`load_model(..., slot="rollout")`) is a model a stage owns across calls, never shared
+through the cache: on a cache miss, a slot holding a model of the same architecture (config and
+tokenizer files) gets the new checkpoint's weights copied into it in place, instead of a new model
+being built. A resident rollout worker gets a new policy every iteration: copying ~P parameters
+from safetensors costs a fraction of building the model and loading them (`bench_scale.py`).
+Never shared, because in one process the reference stage may hold the cached start policy while
+the rollout slot moves on to the next policy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +30,24 @@ from rlpipe.schemas.verify import verify_checkpoint
 
 _CACHE: dict[tuple[str, str], tuple[Any, Any]] = {}
 _MAX_ENTRIES = 4
+#: slot name -> what it holds (see the module doc).
+_SLOTS: dict[str, Slot] = {}
+#: slot name -> how its caller's last load got the model ('cache' or a `Slot.how`).
+_LAST_LOAD: dict[str, str] = {}
+
+
+@dataclass
+class Slot:
+    """A stage's own model: which checkpoint (content key) and architecture it holds."""
+
+    key: str
+    architecture: str
+    kind: str
+    model: Any
+    tokenizer: Any
+    how: str = "loaded"
+    """How the last `load_model` into the slot got its weights: 'loaded' (built from the
+    checkpoint), 'in_place' (copied into the slot's model), 'held' (it held them already)."""
 
 
 def checkpoint_key(path: Path | str) -> str:
@@ -37,13 +64,16 @@ def checkpoint_key(path: Path | str) -> str:
     return h.hexdigest()
 
 
-def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True) -> tuple[Any, Any]:
+def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
+               slot: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from a Hugging Face directory, fp32, eval mode.
 
     Args:
         kind: 'causal', or 'reward' / 'critic' (a `ScalarHeadModel`: backbone + one output per
             position; see scalar_head.py).
         cache: reuse/keep the loaded model in the in-process cache.
+        slot: on a cache miss, load into this slot of the caller's (see the module doc) instead
+            of the cache.
     """
     from rlpipe.stages.common.tiny import load_checkpoint
 
@@ -54,11 +84,106 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True) ->
     if not cache:
         return load_checkpoint(path, kind)  # type: ignore[arg-type]
     key = (checkpoint_key(path), kind)
+    if slot is not None:
+        if key in _CACHE:  # (the local runner: the checkpoint optimize just saved, from memory)
+            _LAST_LOAD[slot] = "cache"
+            return _CACHE[key]
+        held = load_into_slot(slot, path, kind, key[0])
+        _LAST_LOAD[slot] = held.how
+        return held.model, held.tokenizer
     if key not in _CACHE:
         if len(_CACHE) >= _MAX_ENTRIES:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = load_checkpoint(path, kind)  # type: ignore[arg-type]
     return _CACHE[key]
+
+
+def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
+    """The slot holding checkpoint `path` (content `key`): as it is, with the weights copied in
+    place (same architecture and kind), or with a newly loaded model."""
+    from rlpipe.stages.common.tiny import load_checkpoint
+
+    held, arch = _SLOTS.get(slot), architecture(path)
+    if held is not None and held.kind == kind and held.architecture == arch:
+        if held.key != key:
+            copy_weights(held.model, path)
+            held.key, held.how = key, "in_place"
+        else:
+            held.how = "held"
+        return held
+    _SLOTS.pop(slot, None)  # the old model goes before the new one is built
+    model, tokenizer = load_checkpoint(path, kind)  # type: ignore[arg-type]
+    held = _SLOTS[slot] = Slot(key, arch, kind, model, tokenizer)
+    return held
+
+
+def slot_load(slot: str) -> str | None:
+    """How the last `load_model(..., slot=slot)` got its model: 'cache' (the shared cache had
+    the checkpoint), 'loaded', 'in_place' or 'held' (the slot); None before any."""
+    return _LAST_LOAD.get(slot)
+
+
+#: Files that decide a model's architecture and tokenizer (besides the weights).
+_ARCHITECTURE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                       "special_tokens_map.json", "rlpipe_head.json")
+
+
+def architecture(path: Path) -> str:
+    """A digest of what a checkpoint's model is apart from its weights: equal for two
+    checkpoints means a model built from one takes the other's weights unchanged."""
+    h = hashlib.sha256()
+    for name in _ARCHITECTURE_FILES:
+        f = path / name
+        data = f.read_bytes() if f.is_file() else b""
+        if name == "config.json" and data:  # where it was saved from is no part of the model
+            config = json.loads(data)
+            config.pop("_name_or_path", None)
+            data = json.dumps(config, sort_keys=True).encode()
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def copy_weights(model: Any, path: Path) -> None:
+    """Copy the weights of checkpoint `path` (its *.safetensors files) into `model`, whose
+    architecture is the checkpoint's: every tensor of the model is overwritten (parameters tied
+    to one saved tensor, e.g. an LM head tied to the embeddings, through that tensor), cast to
+    the model's dtype as loading would."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights to load in place")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    result = model.load_state_dict(state, strict=False)
+    tied = {name for name in result.missing_keys if _tied(model, name)}
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise ValueError(f"{path}: its weights do not fit the loaded model (missing "
+                         f"{sorted(set(result.missing_keys) - tied)[:5]}, unexpected {result.unexpected_keys[:5]})")
+
+
+def _tied(model: Any, name: str) -> bool:
+    """Whether parameter `name` shares its storage with another parameter (a tied weight,
+    saved once under the other name)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    p = params.get(name)
+    return p is not None and any(q is p for n, q in params.items() if n != name)
+
+
+#: Whether a stage keeps the checkpoints it saves in this process's cache, for the next stage of
+#: the local runner to read from memory. A resident worker serves one stage: no later stage in its
+#: process reads them, and each kept copy would hold a whole model (`keep_saved_checkpoints`).
+_KEEP_SAVED = [True]
+
+
+def keep_saved_checkpoints(enabled: bool) -> None:
+    _KEEP_SAVED[0] = enabled
+
+
+def keeps_saved_checkpoints() -> bool:
+    return _KEEP_SAVED[0]
 
 
 def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
@@ -89,4 +214,7 @@ def context_length(config: Any) -> int | None:
 
 
 def clear_cache() -> None:
+    """Drop every cached model and every slot."""
     _CACHE.clear()
+    _SLOTS.clear()
+    _LAST_LOAD.clear()

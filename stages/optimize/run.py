@@ -35,7 +35,7 @@ from rlpipe.schemas import (
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.forward import pack
-from rlpipe.stages.common.models import remember
+from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.optimize.config import OptimizeConfig, TRPOLoss
@@ -327,14 +327,15 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
         out = Path(out)
         lora = kind == "causal" and config.lora is not None
         with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
-            copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None)
+            copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None,
+                                      keep_copy=keeps_saved_checkpoints())
             if rank == 0:
                 extra = {"metrics": summary, "kind": kind, "timing": timing}
                 if lora:
                     extra["lora"] = _save_adapter(config, engine.module, staging, inputs)
                 commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                                  extra=extra, wall_time_s=time.time() - started)
-        if rank == 0:
+        if copy is not None:
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
     policy = read_manifest(config.output)

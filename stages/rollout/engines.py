@@ -57,6 +57,9 @@ class Engine(Protocol):
     """Maximum prompt + response length in tokens."""
     start_s: float
     """Seconds the engine took to start (load the model, start vLLM); after `generate` for lazy ones."""
+    model_load: str | None
+    """How it got the checkpoint's weights: 'cache' (already in memory), 'held' (its model held
+    them), 'in_place' (copied into its running model), 'loaded' (a model or engine built)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                  params: SamplingSpec) -> list[list[Sample]]:

@@ -24,6 +24,10 @@ from rlpipe.stages.rollout.core import find_stop, sample_inverse_cdf, sampling_p
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec
 
 
+#: The model slot of the rollout engine (rlpipe.stages.common.models): evaluate shares it.
+SLOT = "rollout"
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,11 +42,15 @@ class TransformersEngine:
     def __init__(self, checkpoint: Path, config: Any):
         import transformers
 
-        from rlpipe.stages.common.models import context_length, load_model
+        from rlpipe.stages.common.models import context_length, load_model, slot_load
 
         transformers.utils.logging.disable_progress_bar()
         started = time.perf_counter()
-        self.model, self.tokenizer = load_model(checkpoint)  # shared cache entry: read-only use
+        # The cached checkpoint (read-only use), else this process's rollout model with the new
+        # policy's weights copied in place (a resident worker: no model built per iteration).
+        self.model, self.tokenizer = load_model(checkpoint, slot=SLOT)
+        self.model_load = slot_load(SLOT)
+        """'cache', 'held', 'in_place' or 'loaded' (see rlpipe.stages.common.models)."""
         self.device = _device(config.device)
         if next(self.model.parameters()).device != self.device:
             self.model.to(self.device)

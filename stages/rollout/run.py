@@ -95,7 +95,7 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
 
     timing = {"generate_s": round(gen_s, 3), "generated_tokens": n_tokens,
               "tokens_per_s": round(n_tokens / gen_s, 1) if gen_s else None,
-              "engine_start_s": round(engine.start_s, 3)}
+              "engine_start_s": round(engine.start_s, 3), "model_load": engine.model_load}
     if config.worker_index is None:
         return writer.commit(extra=_summary(writer.staging, writer) | {"timing": timing},
                              wall_time_s=time.time() - started)

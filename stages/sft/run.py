@@ -35,7 +35,7 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
 
     from rlpipe.stages.common import deepspeed as ds
     from rlpipe.stages.common.distributed import barrier, init_distributed
-    from rlpipe.stages.common.models import load_model, remember
+    from rlpipe.stages.common.models import keeps_saved_checkpoints, load_model, remember
     from rlpipe.stages.common.progress import progress
     from rlpipe.stages.sft import core
 
@@ -92,7 +92,7 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
     # checkpoint at config.output is replaced only once the new one is complete.
     manifest = None
     with staged_directory(config.output, write=rank == 0) as staging:
-        trained = ds.save_pretrained(engine, tokenizer, staging, rank)
+        trained = ds.save_pretrained(engine, tokenizer, staging, rank, keep_copy=keeps_saved_checkpoints())
         train_time = time.time() - started
         losses = [v for _, n, v in rows if n == "loss"]
         summary = {"steps": steps, "examples": len(examples), "world_size": world,
@@ -108,7 +108,7 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
             )
             manifest = commit_directory(staging, stage=STAGE, config=config.resolved(), inputs=inputs,
                                         cache_key=key, extra=summary, wall_time_s=train_time)
-    if rank == 0:
+    if trained is not None:
         remember(config.output, "causal", trained, tokenizer)  # warm for the next stage in this process
         print(f"sft: {steps} steps on {len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
               f"(final), {train_time:.1f} s", file=sys.stderr)

@@ -97,11 +97,12 @@ def test_a_failed_launched_stage_reports_its_exit_code_and_log(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_processes_launcher_reproduces_the_in_process_run(tmp_path, launched_preset, assert_like_in_process):
+    """One launch per call (`resident: false`); tests/cluster/test_resident.py runs resident groups."""
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.pipelines.runner import Pipeline
     from rlpipe.schemas import read_manifest
 
-    preset = load_preset(launched_preset(tmp_path / "mini.yaml", {"launcher": "processes",
+    preset = load_preset(launched_preset(tmp_path / "mini.yaml", {"launcher": "processes", "resident": False,
                                                                    "rollout": {"workers": 2},
                                                                    "reference": {"workers": 2},
                                                                    "optimize": {"nodes": 1, "ranks_per_node": 2}}))

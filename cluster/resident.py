@@ -1,0 +1,240 @@
+"""Resident worker groups, the driver's side: a placed stage starts once per run and takes each
+iteration's stage call as a work order (`rlpipe.cluster.worker`, `rlpipe.cluster.workorders`).
+
+A placed launcher (`rlpipe.cluster.launchers.PlacedLauncher`) with `launch.resident` (the default)
+hands every call of an RL iteration to `ResidentGroups.run`: the first call of a stage starts its
+group through the launcher's `start_group` (N processes, a torchrun job, an srun step, a
+Kubernetes Job, a Prefect flow run), every call sends the saved config as an order and waits for
+every member's answer. Set-up stages (called once: sft, reward_model) launch per call as before.
+
+Faults end a call within seconds, never in a hang, with a `StageLaunchError` naming the stage and
+the tail of its log: a member that answers with a non-zero exit code; a member process that dies
+(its launcher's handle reports it); members alive but silent (no log output) for
+`launch.stall_timeout_s`. The failed group is stopped and the next call starts a fresh one (whose
+optimize replays from the last saved train state, as any fresh process does). Members leave when
+the run ends (a stop order), when the driver is interrupted (`close`), and when it dies (their
+watchdog sees its pid or heartbeat go): no worker outlives its run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from rlpipe.cluster.placement import Launch, StagePlacement
+from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members
+from rlpipe.pipelines.plan import StageCall
+from rlpipe.stages import get_stage
+
+#: Seconds a stopped group gets to leave before it is killed.
+STOP_GRACE_S = 10.0
+#: Seconds a later driver waits for the members of an earlier driver's groups to leave.
+ABANDON_WAIT_S = 30.0
+#: A member heartbeat older than this (s) means the member is gone (it beats every second).
+MEMBER_TIMEOUT_S = 10.0
+
+
+class Handle(Protocol):
+    """The processes of a started group, as its launcher sees them."""
+
+    def ended(self) -> tuple[int, int | None] | None:
+        """(exit code, member or None) of a process of the group that has ended; None while all run."""
+        ...
+
+    def stop(self, grace: float) -> None:
+        """End every process of the group (a stop order was sent first: they may have left)."""
+        ...
+
+    @property
+    def logs(self) -> list[Path]:
+        """The files the group's own output (start-up, between orders) goes to."""
+        ...
+
+
+#: launcher.start_group(stage, placement, group, members, folder): start the members, their own
+#: output in `folder` (runs/<run>/logs/workers/).
+StartGroup = Callable[[str, StagePlacement, GroupDir, int, Path], Handle]
+
+
+def members_of(stage: str, p: StagePlacement) -> int:
+    """How many members a stage's group has: its worker processes or its ranks."""
+    return p.workers if get_stage(stage).scaling == "shards" else p.nodes * p.ranks_per_node
+
+
+def order_log(logs: Path, stage: str, member: int, members: int) -> Path:
+    """Where member `member`'s output of one call goes: `<stage>.<i>.log` per worker of a 'shards'
+    stage on several workers, else one `<stage>.log` (the ranks of a job share it)."""
+    if get_stage(stage).scaling == "shards" and members > 1:
+        return logs / f"{stage}.{member}.log"
+    return logs / f"{stage}.log"
+
+
+class StageLaunchFailure(Exception):
+    """Raised by `ResidentGroup.run` as (exit code, log, detail); the launcher turns it into a
+    StageLaunchError (imported there, to keep this module free of a cycle)."""
+
+    def __init__(self, exit_code: int | None, log: Path, detail: str = ""):
+        super().__init__(detail)
+        self.exit_code, self.log, self.detail = exit_code, log, detail
+
+
+class ResidentGroup:
+    """One started group: sends orders, waits for the answers."""
+
+    def __init__(self, stage: str, group: GroupDir, members: int, handle: Handle, stall_timeout_s: float):
+        self.stage, self.group, self.members, self.handle = stage, group, members, handle
+        self.stall_timeout_s = stall_timeout_s
+        self.seq = 0
+
+    def run(self, call: StageCall, force: bool, logs: Path) -> Path:
+        """Send `call` as the next order and wait for every member's answer; returns the first
+        member's log of it. Raises StageLaunchFailure (see the module doc)."""
+        self.seq += 1
+        out = {m: order_log(logs, self.stage, m, self.members) for m in range(self.members)}
+        for log in set(out.values()):
+            log.write_bytes(b"")  # this call's output only, as a per-call launch leaves it
+        self.group.send(self.seq, {"config_file": str(call.config_file.absolute()), "force": force,
+                                   "logs": {str(m): str(p.absolute()) for m, p in out.items()}})
+        self._wait(out)
+        return out[0]
+
+    def _wait(self, out: dict[int, Path]) -> None:
+        watched = [*set(out.values()), *self.handle.logs]
+        size, changed = -1, time.monotonic()
+        while True:
+            answers = self.group.answers(self.seq, self.members)
+            failed = sorted(m for m, a in answers.items() if a["exit_code"] != 0)
+            if failed:
+                raise StageLaunchFailure(answers[failed[0]]["exit_code"], out[failed[0]])
+            if len(answers) == self.members:
+                return
+            ended = self.handle.ended()
+            if ended is not None:
+                code, member = ended
+                if self.group.answers(self.seq, self.members).keys() != answers.keys():
+                    continue  # it answered and left between the two looks: read the answer
+                raise StageLaunchFailure(code, out[member or 0], f"a worker process of the group ended with "
+                                         f"exit code {code} before answering")
+            now_size = sum(_size(p) for p in watched)
+            if now_size != size or not self.group.all_ready(self.members):  # (imports: not counted)
+                size, changed = now_size, time.monotonic()
+            elif time.monotonic() - changed > self.stall_timeout_s:
+                raise StageLaunchFailure(None, out[0], (
+                    f"its workers are alive but wrote nothing for {self.stall_timeout_s:.0f} s "
+                    f"(launch.stall_timeout_s): stuck (a hung collective, a deadlock, a stalled filesystem?); "
+                    "stopped them"))
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """A stop order, the grace to leave, then the handle's stop; the group folder goes."""
+        with contextlib.suppress(OSError):
+            self.group.send(self.seq + 1, {"stop": True})
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and self.handle.ended() is None:
+            time.sleep(POLL_S)
+        self.handle.stop(grace=STOP_GRACE_S)
+        shutil.rmtree(self.group.path, ignore_errors=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class ResidentGroups:
+    """The resident groups of one run (one per placed iteration stage), the driver's heartbeat
+    for them, and their end (`close`)."""
+
+    def __init__(self, launch: Launch, start_group: StartGroup):
+        self.launch, self.start_group = launch, start_group
+        self.groups: dict[str, ResidentGroup] = {}
+        self.started: dict[str, int] = {}
+        """How many groups of each stage this run started (1 per placed stage, unless one failed)."""
+        self._beating = threading.Event()
+        self._swept: set[Path] = set()
+
+    def run(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        """Run `call` on its stage's group (started now if it has none); returns its log."""
+        group = self.groups.get(call.name)
+        if group is None:
+            group = self.groups[call.name] = self._start(call, p, logs.parent)
+        try:
+            return group.run(call, force, logs)
+        except BaseException:
+            self.groups.pop(call.name, None)
+            group.stop()
+            raise
+
+    def _start(self, call: StageCall, p: StagePlacement, logs_root: Path) -> ResidentGroup:
+        run_dir = logs_root.parent
+        if run_dir not in self._swept:  # groups an earlier (killed) driver of this run left
+            sweep(run_dir / WORKERS_DIR)
+            self._swept.add(run_dir)
+        members = members_of(call.name, p)
+        timeout = self.launch.driver_timeout_s
+        group = GroupDir.create(run_dir, call.name, members, driver_timeout_s=timeout)
+        self._start_beating()
+        folder = logs_root / WORKERS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = self.start_group(call.name, p, group, members, folder)
+        self.started[call.name] = self.started.get(call.name, 0) + 1
+        return ResidentGroup(call.name, group, members, handle, self.launch.stall_timeout_s)
+
+    def _start_beating(self) -> None:
+        """The driver's heartbeat for members on other hosts: every group's counter, rewritten
+        six times per driver_timeout_s."""
+        if self._beating.is_set():
+            return
+        self._beating.set()
+        period = max(0.5, self.launch.driver_timeout_s / 6)
+
+        def beat() -> None:
+            count = 0
+            while self._beating.is_set():
+                count += 1
+                for g in list(self.groups.values()):
+                    with contextlib.suppress(OSError):
+                        g.group.beat(count)
+                time.sleep(period)
+
+        threading.Thread(target=beat, daemon=True, name="rlpipe-driver-beat").start()
+
+    def close(self) -> None:
+        """Stop every group (the run ended, failed or was interrupted)."""
+        self._beating.clear()
+        while self.groups:
+            _, group = self.groups.popitem()
+            group.stop()
+        for run_dir in self._swept:
+            with contextlib.suppress(OSError):
+                (run_dir / WORKERS_DIR).rmdir()  # (only when empty)
+
+
+def sweep(workers: Path) -> None:
+    """Abandon the groups in `workers` (left by an earlier driver of the run, which was killed),
+    wait until their members have left, and remove them: a new group never starts while an old
+    member may still write into the run."""
+    if not workers.is_dir():
+        return
+    old = [GroupDir(d) for d in sorted(workers.iterdir()) if (d / "group.json").is_file()]
+    seen: dict[Path, dict] = {}
+    for g in old:
+        g.abandon()
+    deadline = time.monotonic() + ABANDON_WAIT_S
+    while old and time.monotonic() < deadline:
+        old = [g for g in old if live_members(g, MEMBER_TIMEOUT_S, seen.setdefault(g.path, {}))]
+        if old:
+            time.sleep(0.2)
+    for g in old:
+        print(f"rlpipe: workers of {g.path} still beat after {ABANDON_WAIT_S:.0f} s; going on without them",
+              file=sys.stderr)
+    for d in workers.iterdir():
+        shutil.rmtree(d, ignore_errors=True)

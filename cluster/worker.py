@@ -1,0 +1,180 @@
+"""A resident worker: one member of a placed stage's worker group, alive for the whole run.
+
+    python -m rlpipe.cluster.worker --group runs/<run>/workers/<stage>-<token> [--member I --members N]
+
+The launchers start it (N local processes, torchrun ranks, one srun step, a Kubernetes Job, a
+Prefect flow run; `rlpipe.cluster.resident`). It takes the group's work orders in turn
+(`rlpipe.cluster.workorders`), runs each exactly as `rlpipe stage <name> -c <saved config>`
+would, in this process, so engines stay warm between iterations (a rollout engine loads each new
+policy in place, optimize keeps its DeepSpeed engines, fp32 masters and AdamW moments), and
+answers with the exit code. The artifact's manifest stays the completion signal: memory is only a
+cache of what the files say, so killing every worker and rerunning gives the same artifacts.
+
+Each order's output goes to the log the order names (`runs/<run>/logs/<iter>/<stage>[.<i>].log`,
+as a per-call launch writes it); the worker's own output (start-up, between orders) to the log its
+launcher gave it (`runs/<run>/logs/workers/`). A failed order ends the worker with the stage's exit
+code (2: a user error, 1: a bug): the driver starts a fresh group for the next call. A watchdog
+thread ends the worker when the driver is gone (`DriverWatch`), so no worker outlives its run.
+
+Identity: `--member/--members` when given (worker processes, srun tasks and pods of 'shards'
+stages), else the rank and world size of a multi-rank launch (torchrun, srun), else 0 of 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, me
+from rlpipe.stages.common.interrupt import exit_on_signals
+
+#: Seconds between a member's heartbeats (and its looks at the driver).
+BEAT_S = 1.0
+#: After the watchdog's SIGTERM, seconds to unwind before the process is ended regardless
+#: (a main thread blocked in a collective never runs the signal handler).
+GRACE_S = 10.0
+
+
+def identity(member: int | None, members: int | None) -> tuple[int, int]:
+    """(member, members) from the arguments, else the multi-rank launch's RANK / WORLD_SIZE."""
+    from rlpipe.stages.common.distributed import launched_env
+
+    if member is not None and members is not None:
+        return member, members
+    launched = launched_env()
+    if launched is not None:
+        return int(launched["RANK"]), int(launched["WORLD_SIZE"])
+    return 0, 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlpipe.cluster.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--group", type=Path, required=True, help="the group's folder (runs/<run>/workers/...)")
+    p.add_argument("--member", type=int, help="this worker's index (default: the launch's rank)")
+    p.add_argument("--members", type=int, help="the group's size (default: the launch's world size)")
+    a = p.parse_args(argv)
+    from rlpipe.stages.common.models import keep_saved_checkpoints
+
+    keep_saved_checkpoints(False)  # this process serves one stage: no later stage reads its checkpoints
+    group = GroupDir(a.group.absolute())
+    member, members = identity(a.member, a.members)
+    stage = group.info["stage"]
+    group.member_started(member, {**me(), "time": time.time()})
+    print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} serving {group.path}", flush=True)
+    threading.Thread(target=_watchdog, args=(group, member), daemon=True, name="rlpipe-watchdog").start()
+    try:
+        with exit_on_signals(f"worker {stage}.{member}"):
+            _import_stage(stage)
+            group.member_ready(member)
+            return serve(group, stage, member, members)
+    finally:
+        with contextlib.suppress(OSError):  # (the group's folder removed by its driver)
+            group.member_exited(member)
+
+
+def _import_stage(stage: str) -> None:
+    """Import the stage's modules (torch, transformers, ...) before the first order: seconds of
+    silent work that the driver's stall timeout does not count (it starts once every member is
+    ready), and that the first order then does not pay."""
+    import importlib
+
+    from rlpipe.stages import get_stage
+
+    started = time.perf_counter()
+    importlib.import_module(f"{get_stage(stage).module}.run")
+    print(f"[rlpipe worker {stage}] ready ({time.perf_counter() - started:.1f} s of imports)", flush=True)
+
+
+def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
+    """Take the orders in turn until a stop order (0) or a failed one (its exit code)."""
+    seq = 1
+    while True:
+        order = _next_order(group, seq)
+        if order.get("stop"):
+            return 0
+        started = time.perf_counter()
+        code = run_order(stage, order, member, members)
+        group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
+                                   "seconds": round(time.perf_counter() - started, 3)})
+        if code != 0:
+            return code
+        seq += 1
+
+
+def _next_order(group: GroupDir, seq: int) -> dict[str, Any]:
+    from rlpipe.cluster.workorders import read_json
+
+    while (order := read_json(group.order_file(seq))) is None:
+        time.sleep(POLL_S)
+    return order
+
+
+def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> int:
+    """Run the stage on the order's saved config, as its command line would; returns the exit code."""
+    from rlpipe.stages import get_stage
+    from rlpipe.stages.common.cli import stage_main
+
+    argv = ["-c", order["config_file"], *(["--force"] if order.get("force") else [])]
+    if get_stage(stage).scaling == "shards" and members > 1:
+        argv += [f"worker_index={member}", f"worker_count={members}"]
+    with _output_to(Path(order["logs"][str(member)])):
+        print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()}: {' '.join(argv)}", flush=True)
+        try:
+            return stage_main(stage, argv)
+        except SystemExit as e:  # the stage's SIGINT / SIGTERM exit (130 / 143), or argparse's
+            return e.code if isinstance(e.code, int) else 1
+        except BaseException:  # a bug: the traceback goes to the order's log, as a launched stage's would
+            traceback.print_exc()
+            return 1
+
+
+@contextlib.contextmanager
+def _output_to(log: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so native libraries'
+    output too) to `log` for the block, appended (the ranks of a group share one log)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
+def _watchdog(group: GroupDir, member: int) -> None:
+    """Beat, and end this process once the driver is gone: SIGTERM (unwinds like Ctrl-C, nothing
+    partial stays), then a hard exit after GRACE_S."""
+    watch, count = DriverWatch(group), 0
+    while True:
+        count += 1
+        with contextlib.suppress(OSError):  # a run folder being removed after the run
+            group.beat(count, member)
+        why = watch.gone()
+        if why is not None:
+            print(f"[rlpipe worker] {why}: leaving", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(GRACE_S)
+            os._exit(1)
+        time.sleep(BEAT_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Work orders between the driver and a resident worker group: files in the run directory.
+
+A resident group (`rlpipe.cluster.resident`) is the processes of one placed stage, started once
+for the run; each stage call of the pipeline becomes a work order the members take, run as
+`rlpipe stage <name> -c <saved config>` would, and answer. Files, because they are what every
+launcher shares (local processes, srun steps on other nodes, Kubernetes pods, Prefect workers all
+see the run directory), and because the manifest already is the completion signal: an order's
+answer only says how the members' runs ended.
+
+    runs/<run>/workers/<stage>-<token>/
+      group.json                 the driver's: stage, members, driver (host, pid, start), timeouts
+      driver.beat                the driver's heartbeat: a counter rewritten every few seconds
+      orders/000001.json         an order: {config_file, force, logs} or {stop: true}
+      done/000001.<member>.json  a member's answer: {exit_code, pid, seconds}
+      members/<member>.json      written by a member as it starts (pid, host): one per start
+      members/<member>.ready     written once it has imported its stage (torch, transformers, ...)
+      members/<member>.beat      the member's heartbeat (its watchdog rewrites it)
+      members/<member>.exit      written by a member as it leaves
+      abandon                    written by a later driver of the run: members leave at once
+
+Members watch the driver (`driver_gone`): on the driver's host by its pid and start time, on
+other hosts by its heartbeat, which must change within `driver_timeout_s` (measured on the
+member's own clock, so clock skew between nodes plays no part). Every write is atomic (a
+temporary name renamed into place): a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Where a run's resident groups live, under the run directory.
+WORKERS_DIR = "workers"
+#: How often members and the driver look for news (orders, answers).
+POLL_S = 0.02
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` to `path` atomically (a temporary name in the same folder, renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object at `path`, or None while it does not exist."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22): with the
+    pid it names a process uniquely, where a pid alone may be reused. "" where /proc is absent;
+    None when no such process exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:  # no /proc (macOS): whether the pid exists is all we can tell
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def still_running(process: dict[str, Any]) -> bool:
+    """Whether the process a `me()` record of this host names still runs (its pid names a process
+    that started when it did: a reused pid has another start)."""
+    start = process_start(int(process["pid"]))
+    return start is not None and not (start and process["start"] and start != process["start"])
+
+
+def me() -> dict[str, Any]:
+    """This process: host, pid, start."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
+
+
+@dataclass(frozen=True)
+class GroupDir:
+    """The folder of one resident group (see the module doc)."""
+
+    path: Path
+
+    @classmethod
+    def create(cls, run_dir: Path, stage: str, members: int, *, driver_timeout_s: float) -> GroupDir:
+        """A new group folder for `stage`, with its group.json written (the driver's side)."""
+        group = cls(run_dir / WORKERS_DIR / f"{stage}-{secrets.token_hex(4)}")
+        for sub in ("orders", "done", "members"):
+            (group.path / sub).mkdir(parents=True, exist_ok=True)
+        write_json(group.path / "group.json", {"stage": stage, "members": members, "driver": me(),
+                                               "driver_timeout_s": driver_timeout_s})
+        group.beat(0)
+        return group
+
+    @property
+    def info(self) -> dict[str, Any]:
+        info = read_json(self.path / "group.json")
+        if info is None:
+            raise FileNotFoundError(f"{self.path} holds no group.json: not a resident worker group")
+        return info
+
+    # -- orders and answers ---------------------------------------------------------------
+    def order_file(self, seq: int) -> Path:
+        return self.path / "orders" / f"{seq:06d}.json"
+
+    def done_file(self, seq: int, member: int) -> Path:
+        return self.path / "done" / f"{seq:06d}.{member}.json"
+
+    def send(self, seq: int, order: dict[str, Any]) -> None:
+        write_json(self.order_file(seq), order)
+
+    def answer(self, seq: int, member: int, answer: dict[str, Any]) -> None:
+        write_json(self.done_file(seq, member), answer)
+
+    def answers(self, seq: int, members: int) -> dict[int, dict[str, Any]]:
+        """The answers to order `seq` so far, by member."""
+        found = {m: read_json(self.done_file(seq, m)) for m in range(members)}
+        return {m: a for m, a in found.items() if a is not None}
+
+    # -- liveness ---------------------------------------------------------------------------
+    def beat(self, count: int, member: int | None = None) -> None:
+        """Rewrite the driver's (or a member's) heartbeat."""
+        name = "driver.beat" if member is None else f"members/{member}.beat"
+        write_json(self.path / name, {"count": count, "time": time.time()})
+
+    def heartbeat(self, member: int | None = None) -> int | None:
+        name = "driver.beat" if member is None else f"members/{member}.beat"
+        beat = read_json(self.path / name)
+        return None if beat is None else int(beat["count"])
+
+    def member_started(self, member: int, record: dict[str, Any]) -> None:
+        write_json(self.path / "members" / f"{member}.json", record)
+
+    def member_record(self, member: int) -> dict[str, Any] | None:
+        return read_json(self.path / "members" / f"{member}.json")
+
+    def member_ready(self, member: int) -> None:
+        write_json(self.path / "members" / f"{member}.ready", {"time": time.time()})
+
+    def all_ready(self, members: int) -> bool:
+        return all((self.path / "members" / f"{m}.ready").is_file() for m in range(members))
+
+    def member_exited(self, member: int) -> None:
+        write_json(self.path / "members" / f"{member}.exit", {"time": time.time()})
+
+    def has_exited(self, member: int) -> bool:
+        return (self.path / "members" / f"{member}.exit").is_file()
+
+    def abandon(self) -> None:
+        """Tell the members of this group (of an earlier driver) to leave now."""
+        write_json(self.path / "abandon", {"by": me(), "time": time.time()})
+
+    @property
+    def abandoned(self) -> bool:
+        return (self.path / "abandon").is_file()
+
+
+class DriverWatch:
+    """A member's view of its driver: `gone()` is True once the driver has died (on the same
+    host: its pid no longer names the process that started the group) or, seen from another
+    host, its heartbeat has not changed for `driver_timeout_s` of this member's clock."""
+
+    def __init__(self, group: GroupDir):
+        info = group.info
+        self.group, self.driver = group, info["driver"]
+        self.timeout = float(info["driver_timeout_s"])
+        self.same_host = self.driver["host"] == socket.gethostname()
+        self.last_count, self.last_change = group.heartbeat(), time.monotonic()
+
+    def gone(self) -> str | None:
+        """Why the driver is gone, or None while it lives."""
+        if self.group.abandoned:
+            return "a later driver of the run abandoned this group"
+        if self.same_host:
+            return None if still_running(self.driver) else f"the driver (pid {self.driver['pid']}) has exited"
+        count = self.group.heartbeat()
+        if count != self.last_count:
+            self.last_count, self.last_change = count, time.monotonic()
+        elif time.monotonic() - self.last_change > self.timeout:
+            return (f"the driver (pid {self.driver['pid']} on {self.driver['host']}) sent no heartbeat for "
+                    f"{self.timeout:.0f} s")
+        return None
+
+
+def live_members(group: GroupDir, timeout_s: float, since: dict[int, tuple[int | None, float]]) -> list[int]:
+    """The members of `group` that may still be running: started, not exited, and (seen by the
+    caller across calls, `since` holding each member's last heartbeat and when it changed) with a
+    heartbeat that changed within `timeout_s`."""
+    info = read_json(group.path / "group.json") or {"members": 0}
+    here = socket.gethostname()
+    alive = []
+    for m in range(int(info["members"])):
+        record = group.member_record(m)
+        if record is None or group.has_exited(m):
+            continue
+        if record["host"] == here and not still_running(record):
+            continue  # on this host: its process is gone (killed before it could say so)
+        count, now = group.heartbeat(m), time.monotonic()
+        last = since.get(m)
+        if last is None or last[0] != count:
+            since[m] = (count, now)
+        elif now - last[1] > timeout_s:
+            continue
+        alive.append(m)
+    return alive

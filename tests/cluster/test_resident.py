@@ -1,0 +1,210 @@
+"""Resident worker groups (`launch.resident`, the default): each placed stage of the iterations
+starts once for the run and takes every iteration's call as a work order.
+
+- 3 iterations with rollout and reference on 2 resident workers and optimize on a resident
+  2-rank torchrun job reproduce the in-process run; each group started once (one pid per member
+  across the iterations); no process left when the run ends.
+- Faults, one chain on one run directory driven by `rlpipe run` as a user runs it: a worker alive
+  but silent past `launch.stall_timeout_s` is reported stuck; a score worker SIGKILLed mid-stage
+  and an optimize rank SIGKILLed fail the run within seconds with the log; the driver SIGKILLed
+  between work orders and interrupted with Ctrl-C take their workers with them; the same command
+  then finishes with the content hashes of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from launched import LAUNCHED, PLACEMENT, assert_like_reference
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    """Live processes of the run's resident groups (workers and torchrun agents)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "rlpipe.cluster.worker" in cmdline and str(run_dir) in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def wait_for(what, timeout: float, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout} s: {what.__doc__ or what}")
+
+
+def order_pids(run_dir: Path, stage: str) -> dict[str, set[int]]:
+    """Member -> the pids that ran its orders, from the order logs of every iteration."""
+    pids: dict[str, set[int]] = {}
+    for log in sorted(run_dir.glob(f"logs/iter_*/{stage}*.log")):
+        for member, pid in re.findall(rf"\[rlpipe worker {stage}\.(\d+)\] pid (\d+):", log.read_text()):
+            pids.setdefault(member, set()).add(int(pid))
+    return pids
+
+
+def test_resident_groups_reproduce_the_in_process_run_and_start_once(tmp_path, launched_preset,
+                                                                     assert_like_in_process):
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.pipelines.runner import Pipeline
+
+    preset = load_preset(launched_preset(tmp_path / "mini.yaml", {"launcher": "processes", **PLACEMENT}),
+                         ["iterations=3"])
+    assert preset.launch.resident
+    run_dir = tmp_path / "runs" / "mini"
+    pipeline = Pipeline(preset, run_dir, log=lambda s: None)
+    pipeline.run()
+    assert_like_in_process(run_dir)
+    assert pipeline.launcher.groups.started == {"rollout": 1, "reference": 1, "optimize": 1}
+    for stage, members in (("rollout", 2), ("reference", 2), ("optimize", 2)):
+        pids = order_pids(run_dir, stage)
+        # every member ran the orders of all 3 iterations in one process
+        assert sorted(pids) == [str(m) for m in range(members)] and all(len(p) == 1 for p in pids.values()), pids
+        assert sum(len(re.findall(rf"\[rlpipe worker {stage}\.0\] pid", p.read_text()))
+                   for p in run_dir.glob(f"logs/iter_*/{stage}*.log")) == 3
+    assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
+    # the per-iteration logs are where a per-call launch writes them
+    assert sorted(p.name for p in (run_dir / "logs" / "iter_0002").iterdir()) == [
+        "optimize.log", "reference.0.log", "reference.1.log", "rollout.0.log", "rollout.1.log"]
+
+
+# -- faults ---------------------------------------------------------------------------------------
+#: LAUNCHED with a `python` reward component that can hold a worker (tests/resident_hooks.py),
+#: rollout and score on 2 resident workers each, optimize on 2 ranks.
+FAULTS = {
+    **LAUNCHED,
+    "eval_every": 0,
+    "score": {"components": [*LAUNCHED["score"]["components"],
+                             {"name": "parity", "type": "python", "function": "resident_hooks:parity"}]},
+    "launch": {"launcher": "processes", "rollout": {"workers": 2}, "score": {"workers": 2},
+               "optimize": {"ranks_per_node": 2}},
+}
+
+
+class Driver:
+    """`rlpipe run <preset> --local` in its own process, as a user runs it."""
+
+    def __init__(self, root: Path, preset: Path, *overrides: str, env: dict[str, str] | None = None):
+        root.mkdir(exist_ok=True)
+        self.run_dir = root / "runs" / "mini"
+        self.out = root / f"driver-{time.monotonic_ns()}.log"
+        cmd = [sys.executable, "-m", "rlpipe.pipelines.cli", "run", str(preset), "--local", "--run-dir",
+               str(self.run_dir), "iterations=3", *overrides]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS), **(env or {})}
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=root, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the driver did not end within {timeout} s:\n{self.output}") from None
+
+    @property
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+
+def _no_workers_within(run_dir: Path, seconds: float) -> None:
+    def gone() -> bool:
+        """every worker process of the run has ended"""
+        return not worker_pids(run_dir)
+
+    wait_for(gone, seconds)
+
+
+def _hashes(run_dir: Path) -> dict[str, str]:
+    import json
+
+    return {str(m.parent.relative_to(run_dir)): json.loads(m.read_text())["content_hash"]
+            for m in sorted(run_dir.glob("iter_*/*/_manifest.json"))
+            if m.parent.name in ("rollouts", "scores", "reference", "advantages")}
+
+
+def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path):
+    preset = tmp_path / "faults.yaml"
+    preset.write_text(yaml.safe_dump(FAULTS))
+    reference = Driver(tmp_path / "reference", preset, "launch.launcher=local")
+    assert reference.wait(600) == 0, reference.output
+    root = tmp_path / "resident"
+    run_dir = root / "runs" / "mini"
+
+    # 1. a worker alive but silent: reported stuck after the stall timeout, its group stopped
+    hold = tmp_path / "hold-1"
+    d = Driver(root, preset, "launch.stall_timeout_s=5", env={"RLPIPE_TEST_HOLD": str(hold)})
+    wait_for(hold.is_file, 300)
+    assert d.wait(60) != 0
+    assert "stage score failed" in d.output and "wrote nothing for 5 s (launch.stall_timeout_s)" in d.output
+    _no_workers_within(run_dir, 15)
+
+    # 2. a score worker SIGKILLed mid-stage: the call fails at once, naming the exit code
+    hold = tmp_path / "hold-2"
+    d = Driver(root, preset, env={"RLPIPE_TEST_HOLD": str(hold)})
+    pid = int(wait_for(lambda: hold.is_file() and hold.read_text(), 300))
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert d.wait(60) != 0
+    assert time.monotonic() - killed < 15, "the failure took too long to surface"
+    assert "stage score failed (exit code -9)" in d.output, d.output
+    _no_workers_within(run_dir, 15)
+
+    # 3. an optimize rank SIGKILLed during iteration 1: torchrun ends the job, the call fails
+    d = Driver(root, preset)
+    log = run_dir / "logs" / "iter_0001" / "optimize.log"
+
+    def rank_1() -> int | None:
+        """rank 1 took iteration 1's optimize order"""
+        found = re.search(r"\[rlpipe worker optimize\.1\] pid (\d+):", log.read_text()) if log.is_file() else None
+        return int(found.group(1)) if found else None
+
+    os.kill(wait_for(rank_1, 300, poll=0.01), signal.SIGKILL)
+    killed = time.monotonic()
+    assert d.wait(90) != 0
+    assert time.monotonic() - killed < 30, "the failure took too long to surface"
+    assert "stage optimize failed" in d.output, d.output
+    _no_workers_within(run_dir, 15)
+
+    # 4. the driver SIGKILLed between work orders: its workers see it gone and leave
+    d = Driver(root, preset)
+    wait_for((run_dir / "iter_0001" / "policy" / "_manifest.json").is_file, 300, poll=0.01)
+    assert worker_pids(run_dir), "the resident workers should be running"
+    d.proc.kill()
+    d.wait(10)
+    _no_workers_within(run_dir, 15)
+
+    # 5. Ctrl-C: the driver stops its groups and exits 130
+    d = Driver(root, preset)
+    wait_for(lambda: any("[rlpipe worker rollout.0]" in p.read_text() for p in run_dir.glob("logs/iter_0002/rollout.0.log")),
+             300, poll=0.01)
+    d.proc.send_signal(signal.SIGINT)
+    assert d.wait(60) == 130, d.output
+    _no_workers_within(run_dir, 15)
+
+    # 6. the same command finishes the run: what an uninterrupted run computes
+    d = Driver(root, preset)
+    assert d.wait(600) == 0, d.output
+    assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference.run_dir)
+    assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
