@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -82,13 +81,14 @@ class Launcher(Protocol):
 
 class InProcessLauncher:
     """The local launcher: the stage runs in this process. Before a training stage ('ranks'
-    scaling) a vLLM engine a rollout left in this process is torn down, so that optimize gets the
-    GPUs' memory (the next rollout starts an engine on the new checkpoint)."""
+    scaling) a vLLM engine a rollout left in this process makes room: on GPUs it sleeps (weights
+    and KV cache freed, so optimize gets the memory) and the next rollout wakes it and loads the new
+    policy in place (`rlpipe.stages.rollout.vllm_engine.make_room`)."""
 
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
         engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
         if engine is not None and get_stage(call.name).scaling == "ranks":
-            engine.release()
+            engine.make_room()
         return get_stage(call.name).run(call.config, force=force)
 
     def close(self) -> None:
@@ -102,8 +102,14 @@ def launcher_for(launch: Launch) -> Launcher:
     """The launcher the preset's `launch.launcher` names."""
     if launch.launcher == "local":
         return run_in_process
-    return {"processes": ProcessLauncher, "slurm": SlurmLauncher, "kubernetes": _kubernetes_launcher,
+    return {"processes": ProcessLauncher, "slurm": _slurm_launcher, "kubernetes": _kubernetes_launcher,
             "prefect": PrefectPoolLauncher}[launch.launcher](launch)
+
+
+def _slurm_launcher(launch: Launch) -> Launcher:
+    from rlpipe.cluster.srun import SlurmLauncher
+
+    return SlurmLauncher(launch)
 
 
 def _kubernetes_launcher(launch: Launch) -> Launcher:
@@ -360,58 +366,3 @@ class PrefectPoolLauncher(PlacedLauncher):
         from rlpipe.flows.pools import run_on_pool
 
         return run_on_pool(call, p, force, logs)
-
-
-# -- Slurm: srun steps inside the driver's allocation -----------------------------------------
-#: Run by every task of a step (bash -c SCRIPT stage ARGV...): the rank / worker variables from
-#: Slurm's, the rendezvous at the step's first node.
-_SRUN_TASK = {
-    "ranks": ('export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID '
-              'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE '
-              'MASTER_ADDR=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1); exec "$@"'),
-    "shards": 'exec "$@" worker_index=$SLURM_PROCID worker_count=$SLURM_NTASKS',
-    "single": 'exec "$@"',
-}
-
-
-def srun_command(call: StageCall, p: StagePlacement, force: bool, log: Path, *,
-                 allocation_nodes: int, python: str = sys.executable) -> list[str]:
-    """The `srun` step of a placed stage inside an allocation of `allocation_nodes` nodes."""
-    scaling = get_stage(call.name).scaling
-    if scaling == "ranks":
-        shape = [f"--nodes={p.nodes}", f"--ntasks={p.nodes * p.ranks_per_node}",
-                 f"--ntasks-per-node={p.ranks_per_node}"]
-        gpus = [f"--gpus-per-node={p.gpus_per_node}"] if p.gpus_per_node else []
-    else:
-        tasks = p.workers if scaling == "shards" else 1
-        shape = [f"--nodes={min(tasks, allocation_nodes)}", f"--ntasks={tasks}"]
-        gpus = [f"--gpus-per-task={p.gpus_per_worker}"] if p.gpus_per_worker else []
-    if p.nodes > allocation_nodes:
-        raise ValueError(f"launch.{call.name}: nodes={p.nodes}, but the allocation has {allocation_nodes}")
-    return ["srun", f"--job-name=rlpipe-{call.name}", *shape, f"--cpus-per-task={p.cpus_per_task}", *gpus,
-            "--kill-on-bad-exit=1", f"--output={log}", "--open-mode=append", "bash", "-c", _SRUN_TASK[scaling], call.name,
-            python, *stage_argv(call, force)]
-
-
-class SlurmLauncher(PlacedLauncher):
-    """Placed stages as srun steps of the allocation the driver runs in (`rlpipe submit slurm`)."""
-
-    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
-        if "SLURM_JOB_ID" not in os.environ:
-            raise StageLaunchError(call.name, None, logs / f"{call.name}.log",
-                                   "the slurm launcher runs inside a Slurm allocation: submit the run "
-                                   "with `rlpipe submit slurm PRESET`, or run it under salloc")
-        nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
-        log = logs / f"{call.name}.log"
-        # One node: rendezvous and gloo on loopback; several: at the step's first node.
-        env = process_env(p, loopback=nodes == 1)
-        env["MASTER_PORT"] = str(free_port("0.0.0.0" if nodes > 1 else LOOPBACK))
-        cmd = srun_command(call, p, force, log, allocation_nodes=nodes)
-        with open(log, "wb") as out:  # srun's own messages; the tasks append theirs (--open-mode)
-            out.write(f"[rlpipe] {shlex.join(cmd)}\n".encode())
-            out.flush()
-            code = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        if code.returncode != 0:
-            raise StageLaunchError(call.name, code.returncode, log)
-        return log
-

@@ -123,23 +123,28 @@ def slot_load(slot: str) -> str | None:
     return _LAST_LOAD.get(slot)
 
 
-#: Files that decide a model's architecture and tokenizer (besides the weights).
-_ARCHITECTURE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                       "special_tokens_map.json", "rlpipe_head.json")
+#: Weight files: everything else in a checkpoint directory is part of its architecture.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+#: config.json keys that say where and by what it was saved, not what the model is.
+_CONFIG_PROVENANCE = ("_name_or_path", "transformers_version")
 
 
-def architecture(path: Path) -> str:
-    """A digest of what a checkpoint's model is apart from its weights: equal for two
-    checkpoints means a model built from one takes the other's weights unchanged."""
+def architecture(path: Path | str) -> str:
+    """Digest of every top-level file of a checkpoint except its weights and manifest (config.json
+    without provenance keys): equal digests, a model (or vLLM engine) built from one checkpoint
+    takes the other's weights unchanged. Conservative on purpose: a changed tokenizer, chat
+    template or generation config (its EOS ids) counts as another architecture."""
     h = hashlib.sha256()
-    for name in _ARCHITECTURE_FILES:
-        f = path / name
-        data = f.read_bytes() if f.is_file() else b""
-        if name == "config.json" and data:  # where it was saved from is no part of the model
+    for f in sorted(Path(path).iterdir()):
+        if not f.is_file() or f.name == MANIFEST_NAME or f.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        data = f.read_bytes()
+        if f.name == "config.json":
             config = json.loads(data)
-            config.pop("_name_or_path", None)
+            for k in _CONFIG_PROVENANCE:
+                config.pop(k, None)
             data = json.dumps(config, sort_keys=True).encode()
-        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+        h.update(f.name.encode() + b"\0" + hashlib.sha256(data).digest())
     return h.hexdigest()
 
 

@@ -23,7 +23,6 @@ import torch
 from rlpipe.stages.rollout.core import find_stop, sample_inverse_cdf, sampling_probs, token_logprobs
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec
 
-
 #: The model slot of the rollout engine (rlpipe.stages.common.models): evaluate shares it.
 SLOT = "rollout"
 
