@@ -11,6 +11,13 @@ running worker i (`worker_index=$JOB_COMPLETION_INDEX`); a 'single' stage one po
 mounts the runs volume (a ReadWriteMany claim) at the same path as the driver, so the saved
 `configs/<stage>.yaml` and the artifacts are where the driver wrote them. The manifest is the
 completion signal; a failed Job fails the stage with the tail of its pods' logs.
+
+Resident (`launch.resident`, the default for the stages of the RL iterations): the same Jobs, one
+per placed stage for the whole run (`group_manifests`), whose pods run `rlpipe.cluster.worker`
+members of the stage's group (`--member $JOB_COMPLETION_INDEX` for 'shards' stages) and take each
+iteration's call as a work order from the run volume; their per-call output goes to the run's
+logs/ on that volume. The driver deletes them when the run ends; members on other pods than the
+driver's leave by themselves when its heartbeat stops (`launch.driver_timeout_s`).
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlpipe.cluster.launchers import PlacedLauncher, StageLaunchError, stage_argv
+from rlpipe.cluster.launchers import PlacedLauncher, StageLaunchError, stage_argv, worker_argv
 from rlpipe.cluster.placement import KubernetesSpec, StagePlacement
 from rlpipe.cluster.submit import JobSpec, render_k8s
+from rlpipe.cluster.workorders import WORKERS_DIR, GroupDir
 from rlpipe.pipelines.plan import StageCall
 from rlpipe.stages import get_stage
 
@@ -47,24 +56,46 @@ def job_name(call: StageCall) -> str:
 def job_manifests(call: StageCall, p: StagePlacement, k: KubernetesSpec, *, force: bool = False,
                   python: str = "python") -> list[dict[str, Any]]:
     """The Kubernetes objects of one placed stage call (see the module doc)."""
-    name, args = job_name(call), tuple(stage_argv(call, force)[2:])
-    scaling = get_stage(call.name).scaling
-    spec = JobSpec(stage=call.name, args=args, nodes=p.nodes if scaling == "ranks" else 1,
+    return _manifests(call.name, job_name(call), stage_argv(call, force), p, k, python,
+                      lambda n: f" worker_index=$JOB_COMPLETION_INDEX worker_count={n}")
+
+
+def group_name(group: GroupDir) -> str:
+    """A DNS-1123 name for a resident group's Job: rlpipe-<run>-<stage>-<token> (at most 52)."""
+    stage, _, token = group.path.name.rpartition("-")
+    run = group.path.parent.parent.name
+    base = re.sub(r"[^a-z0-9-]+", "-", f"rlpipe-{run}-{stage}".lower()).strip("-")
+    return f"{base[:43].rstrip('-')}-{token[:8]}"
+
+
+def group_manifests(stage: str, group: GroupDir, p: StagePlacement, k: KubernetesSpec,
+                    python: str = "python") -> list[dict[str, Any]]:
+    """The Kubernetes objects of a placed stage's resident group (see the module doc)."""
+    return _manifests(stage, group_name(group), worker_argv(group), p, k, python,
+                      lambda n: f" --member $JOB_COMPLETION_INDEX --members {n}")
+
+
+def _manifests(stage: str, name: str, argv: list[str], p: StagePlacement, k: KubernetesSpec, python: str,
+               split: Callable[[int], str]) -> list[dict[str, Any]]:
+    """`python -m <argv>` on the stage's pods: torchrun per pod of a 'ranks' stage (with its
+    Service), else a pod per worker (pod i gets the arguments `split(N)`)."""
+    module, args = argv[1], tuple(argv[2:])
+    scaling = get_stage(stage).scaling
+    spec = JobSpec(stage=stage, args=args, nodes=p.nodes if scaling == "ranks" else 1,
                    gpus_per_node=p.gpus, ranks_per_node=p.ranks_per_node, job_name=name,
                    cpus_per_task=p.cpus_per_task, workdir=k.runs_mount, image=k.image, namespace=k.namespace,
-                   pvc=k.pvc, runs_mount=k.runs_mount)
+                   pvc=k.pvc, runs_mount=k.runs_mount, module=module)
     service, job = yaml.safe_load_all(render_k8s(spec))
     if scaling == "ranks":
         return [service, job]
-    # One pod per worker: the same pod template, running the stage itself instead of torchrun.
+    # One pod per worker: the same pod template, running the module itself instead of torchrun.
     workers = p.workers if scaling == "shards" else 1
     job["spec"]["completions"] = job["spec"]["parallelism"] = workers
     pod = job["spec"]["template"]["spec"]
     del pod["subdomain"]
-    split = " worker_index=$JOB_COMPLETION_INDEX worker_count=" + str(workers) if workers > 1 else ""
     (container,) = pod["containers"]
     container["name"] = "worker"
-    container["args"] = [f"exec {python} -m {get_stage(call.name).module} {' '.join(args)}{split}"]
+    container["args"] = [f"exec {python} -m {module} {' '.join(args)}{split(workers) if workers > 1 else ''}"]
     return [job]
 
 
@@ -122,14 +153,22 @@ def render_run(preset, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "driver.yaml"]
     written[0].write_text(yaml.safe_dump_all(driver_manifests(preset, k), sort_keys=False))
-    plan = Plan(preset, RunLayout(Path(k.runs_mount) / preset.name))
-    for call in [*plan.setup(), *plan.iteration(0)]:
+    run_dir = Path(k.runs_mount) / preset.name
+    plan = Plan(preset, RunLayout(run_dir))
+    setup, iteration = plan.setup(), plan.iteration(0)
+    for call in [*setup, *iteration]:
         p = preset.launch.stages.get(call.name)
-        if p is not None:
+        if p is None:
+            continue
+        if preset.launch.resident and call in iteration:  # one group for the run (its token drawn then)
+            docs = group_manifests(call.name, GroupDir(run_dir / WORKERS_DIR / f"{call.name}-TOKEN"), p, k)
+            path = out / "stages" / f"{call.name}-workers.yaml"
+        else:
+            docs = job_manifests(call, p, k)
             path = out / "stages" / f"{call.config_dir.parent.name}-{call.name}.yaml"
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(yaml.safe_dump_all(job_manifests(call, p, k), sort_keys=False))
-            written.append(path)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        written.append(path)
     return written
 
 
@@ -140,8 +179,38 @@ def _kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
     return done.stdout
 
 
+class JobGroup:
+    """A resident group's Job (`rlpipe.cluster.resident.Handle`), polled every poll_seconds."""
+
+    def __init__(self, docs: list[dict[str, Any]], k: KubernetesSpec, logs: Path, stage: str):
+        self.docs, self.k, self.ns = docs, k, ["--namespace", k.namespace]
+        self.name = docs[-1]["metadata"]["name"]
+        self.logs = sorted(logs.glob(f"{stage}.*.log"))  # (none: the pods' own output stays in kubectl logs)
+        self._last, self._ended = 0.0, None
+        _kubectl("apply", *self.ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
+
+    def ended(self) -> tuple[int, int | None] | None:
+        if self._ended is None and time.monotonic() - self._last >= self.k.poll_seconds:
+            self._last = time.monotonic()
+            status = json.loads(_kubectl("get", "job", self.name, *self.ns, "-o", "json")).get("status", {})
+            conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+            if conditions.get("Failed") == "True":
+                self._ended = (1, None)
+            elif conditions.get("Complete") == "True":
+                self._ended = (0, None)
+        return self._ended
+
+    def stop(self, grace: float) -> None:
+        for doc in self.docs:
+            _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *self.ns, "--ignore-not-found",
+                     f"--grace-period={int(grace)}", "--wait=false", check=False)
+
+
 class KubernetesLauncher(PlacedLauncher):
     """Placed stages as Indexed Jobs, from a driver with kubectl and the RBAC of `driver_manifests`."""
+
+    def start_group(self, stage: str, p: StagePlacement, group: GroupDir, members: int, logs: Path) -> JobGroup:
+        return JobGroup(group_manifests(stage, group, p, self.launch.kubernetes), self.launch.kubernetes, logs, stage)
 
     def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
         k = self.launch.kubernetes

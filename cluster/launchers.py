@@ -366,3 +366,10 @@ class PrefectPoolLauncher(PlacedLauncher):
         from rlpipe.flows.pools import run_on_pool
 
         return run_on_pool(call, p, force, logs)
+
+    def start_group(self, stage: str, p: StagePlacement, group: GroupDir, members: int, logs: Path) -> Handle:
+        if p.work_pool is None:
+            return ProcessLauncher.start_group(self, stage, p, group, members, logs)
+        from rlpipe.flows.pools import PoolGroup
+
+        return PoolGroup(stage, p, group, logs)

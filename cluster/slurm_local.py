@@ -9,7 +9,7 @@ munge + slurmctld + slurmd with every file in one state folder, on loopback and 
 runs as root. Why these slurm.conf keys (docs/recipes.md#slurm): munge is the only
 authentication Slurm ships; proctrack/linuxproc, task/none, no accounting and no MPI avoid
 cgroups, slurmdbd and PMI, which a test box lacks; ReturnToService=2 brings the node back after a
-restart.
+restart; `config_overrides` lets the node declare more CPUs than the machine has (MIN_CPUS).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
+SlurmdParameters=config_overrides
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
@@ -91,9 +92,16 @@ def env_for(state: Path) -> dict[str, str]:
     return {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}
 
 
+#: CPUs the node declares at least: the resident srun steps of a run hold their CPUs side by side
+#: for the whole run (rollout workers beside optimize ranks), more than a laptop's cores; the
+#: node's slurm.conf line stands (`SlurmdParameters=config_overrides`) and the tasks share the cores.
+MIN_CPUS = 8
+
+
 def up(state: Path = DEFAULT_STATE, *, cpus: int | None = None, timeout: float = 60.0) -> dict[str, str]:
     """Install if needed, configure and start a one-node cluster in `state`; returns the
-    environment to run sbatch / srun / sinfo with. The node has this machine's CPUs."""
+    environment to run sbatch / srun / sinfo with. The node has `cpus` CPUs (default: this
+    machine's, at least MIN_CPUS)."""
     install()
     if os.geteuid() != 0:
         raise SlurmUnavailable("the one-node Slurm cluster runs slurmd as root")
@@ -108,7 +116,7 @@ def up(state: Path = DEFAULT_STATE, *, cpus: int | None = None, timeout: float =
     (state / "munge").chmod(0o700)
     memory_mb = max(1000, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2)
     (state / "slurm.conf").write_text(SLURM_CONF.format(
-        s=state, ctld_port=free_port(), d_port=free_port(), cpus=cpus or os.cpu_count() or 1,
+        s=state, ctld_port=free_port(), d_port=free_port(), cpus=cpus or max(MIN_CPUS, os.cpu_count() or 1),
         memory_mb=memory_mb))
     env = env_for(state)
     key = state / "munge" / "munge.key"

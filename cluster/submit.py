@@ -73,6 +73,8 @@ class JobSpec:
     log_dir: str = "."
     # Kubernetes
     image: str = "rlpipe:latest"
+    module: str | None = None
+    """The module the pods run instead of the stage's (a resident group: rlpipe.cluster.worker)."""
     namespace: str = "default"
     pvc: str = "rlpipe-runs"
     runs_mount: str = "/runs"
@@ -153,7 +155,7 @@ def render_k8s(spec: JobSpec) -> str:
     return _template("k8s/stage-job.yaml").substitute(
         stage=spec.stage, nodes=spec.nodes, ranks_per_node=spec.ranks, job_name=spec.name,
         namespace=spec.namespace, master_port=spec.master_port, backoff_limit=spec.backoff_limit,
-        image=spec.image, workdir=spec.workdir, module=module_for(spec.stage), args=shlex.join(spec.args),
+        image=spec.image, workdir=spec.workdir, module=spec.module or module_for(spec.stage), args=shlex.join(spec.args),
         env=env, limits=limits, runs_mount=spec.runs_mount, pvc=spec.pvc,
     )
 
@@ -171,19 +173,25 @@ def write_run_preset(preset, run_dir: Path, launcher: str) -> Path:
     return path
 
 
-def allocation_shape(launch, nodes: int) -> tuple[int, int, int]:
+def allocation_shape(launch, nodes: int, resident: set[str] = frozenset()) -> tuple[int, int, int]:
     """(tasks per node, CPUs per task, GPUs per node) an allocation of `nodes` nodes needs so that
-    every placed stage's srun step fits (steps run one after another)."""
+    every placed stage's srun step fits: the steps of stages launched per call run one after
+    another (the largest must fit); the resident steps of the stages in `resident` (those the
+    iterations call, with `launch.resident`) run side by side for the whole run (their sum must
+    fit, beside any one per-call step, which runs before them)."""
     from math import ceil
 
-    tasks, cpus, gpus = 1, 1, 0
+    per_call, side_by_side, cpus = (1, 0), (0, 0), 1
     for name, p in launch.stages.items():
         if p.nodes > nodes:
             raise ValueError(f"launch.{name}: nodes={p.nodes}, but the allocation has --nodes {nodes}")
-        per_node = p.ranks_per_node if p.nodes * p.ranks_per_node > 1 else ceil(p.workers / nodes)
-        tasks, cpus = max(tasks, per_node), max(cpus, p.cpus_per_task)
-        gpus = max(gpus, p.gpus_per_node, p.gpus_per_worker * ceil(p.workers / nodes))
-    return tasks, cpus, gpus
+        tasks = p.ranks_per_node if p.nodes * p.ranks_per_node > 1 else ceil(p.workers / nodes)
+        gpus = max(p.gpus_per_node, p.gpus_per_worker * ceil(p.workers / nodes))
+        cpus = max(cpus, p.cpus_per_task)
+        per_call = (max(per_call[0], tasks), max(per_call[1], gpus))
+        if launch.resident and name in resident:
+            side_by_side = (side_by_side[0] + tasks, side_by_side[1] + gpus)
+    return max(per_call[0], side_by_side[0]), cpus, max(per_call[1], side_by_side[1])
 
 
 def render_run_slurm(preset, preset_file: Path, run_dir: Path, *, nodes: int = 1, time: str = "01:00:00",
@@ -191,7 +199,12 @@ def render_run_slurm(preset, preset_file: Path, run_dir: Path, *, nodes: int = 1
                      workdir: str | None = None, job_name: str | None = None) -> str:
     """The sbatch script of a whole run (`cluster/slurm/run.sbatch`): the driver runs
     `rlpipe run <preset_file> --local --run-dir <run_dir>` in the batch step."""
-    tasks, cpus, gpus = allocation_shape(preset.launch, nodes)
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
+
+    # the stages the iterations call (the last one also evaluates)
+    iterations = {c.name for c in Plan(preset, RunLayout(run_dir)).iteration(0)} | {"evaluate"}
+    tasks, cpus, gpus = allocation_shape(preset.launch, nodes, resident=iterations)
     extra = [f"#SBATCH --gpus-per-node={gpus}"] if gpus else []
     extra += [f"#SBATCH --partition={partition}"] if partition else []
     extra += [f"#SBATCH --account={account}"] if account else []

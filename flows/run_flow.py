@@ -157,15 +157,21 @@ def run_flow(preset: Preset, run_dir: str | None = None) -> str:
 
 @flow(name="rlpipe-stage", log_prints=True)
 def stage_flow(name: str, config: dict | None = None, force: bool = False, config_file: str | None = None,
-               placement: dict | None = None) -> dict:
+               placement: dict | None = None, worker_group: str | None = None) -> dict:
     """Run one stage on saved artifacts: `config` as the stage's YAML would give it, or
     `config_file`, a saved `configs/<stage>.yaml` (what the prefect launcher sends to a work
-    pool); with a `placement` (workers, ranks_per_node, ...) as the processes launcher would."""
+    pool); with a `placement` (workers, ranks_per_node, ...) as the processes launcher would.
+    With `worker_group` (a resident group's folder): run the group's members until they leave
+    (`rlpipe.flows.pools.serve_group`)."""
     from rlpipe.cluster.launchers import ProcessLauncher
     from rlpipe.cluster.placement import Launch
     from rlpipe.pipelines.plan import stage_config
     from rlpipe.schemas.config import load_config
 
+    if worker_group is not None:
+        from rlpipe.flows.pools import serve_group
+
+        return serve_group(name, worker_group, placement)
     if config_file is not None:
         call = StageCall(name, load_config(get_stage(name).config_class(), config_file), Path(config_file).parent)
     else:

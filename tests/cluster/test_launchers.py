@@ -16,9 +16,9 @@ from rlpipe.cluster.launchers import (
     StageLaunchError,
     local_processes,
     log_dir,
-    srun_command,
 )
 from rlpipe.cluster.placement import Launch, StagePlacement
+from rlpipe.cluster.srun import srun_command
 from rlpipe.pipelines.plan import StageCall
 
 

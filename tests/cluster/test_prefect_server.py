@@ -1,7 +1,8 @@
 """A real Prefect server on 127.0.0.1 with two process work pools and a worker each: a
 deployment of a 2-iteration preset (`rlpipe.flows.deploy`) runs on one pool and routes two
-placed stages to the other (launcher prefect), runs to completion with the artifacts of the
-in-process run, and its per-iteration table is a Prefect artifact readable from the server's API."""
+placed stages to the other (launcher prefect) as resident groups (one long-lived flow run per
+stage for the whole run), runs to completion with the artifacts of the in-process run, and its
+per-iteration table is a Prefect artifact readable from the server's API."""
 
 from __future__ import annotations
 
@@ -87,10 +88,16 @@ def test_a_deployment_runs_on_a_real_server_and_routes_stages_to_a_work_pool(tmp
         logs = "".join((tmp_path / f"{pool}.log").read_text()[-3000:] for pool in ("rlpipe-driver", "rlpipe-stages"))
         assert done.returncode == 0 and "Completed" in done.stdout, done.stdout + done.stderr + logs
 
-        # Each iteration's reference and optimize ran as a flow run of rlpipe-stage/rlpipe-stages.
+        # Reference and optimize each ran as one flow run of rlpipe-stage/rlpipe-stages serving
+        # both iterations (a resident group), which ended when the run did.
         runs = _api(f"{api}/flow_runs/filter", {"work_pools": {"name": {"any_": ["rlpipe-stages"]}}})
-        assert sorted(r["parameters"]["name"] for r in runs) == ["optimize", "optimize", "reference", "reference"]
-        assert all(r["state_type"] == "COMPLETED" for r in runs)
+        assert sorted(r["parameters"]["name"] for r in runs) == ["optimize", "reference"]
+        assert all(r["parameters"]["worker_group"].startswith(str(run_dir / "workers")) for r in runs)
+        assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state_type"] for r in runs]
+        for stage in ("reference", "optimize"):
+            pids = {line.split(" pid ")[1].split(":")[0] for log in run_dir.glob(f"logs/iter_*/{stage}*.log")
+                    for line in log.read_text().splitlines() if line.startswith(f"[rlpipe worker {stage}.0]")}
+            assert len(pids) == 1, pids  # member 0 ran both iterations' orders
         assert_like_in_process(run_dir)
 
         from rlpipe.pipelines.report import run_table
