@@ -196,20 +196,14 @@ class PlacedLauncher:
         self.groups = ResidentGroups(launch, self.start_group)
 
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
-        from rlpipe.cluster.resident import StageLaunchFailure
-
         placement = self.launch.placement(call.name)
         if placement is None:
             return run_in_process(call, force=force)
         logs = log_dir(call)
         logs.mkdir(parents=True, exist_ok=True)
-        if not (self.launch.resident and iteration_index(logs.name) is not None):
-            return completed(call, self.start(call, placement, force, logs))
-        try:
-            log = self.groups.run(call, placement, force, logs)
-        except StageLaunchFailure as e:
-            raise StageLaunchError(call.name, e.exit_code, e.log, e.detail) from None
-        return completed(call, log)
+        if self.launch.resident and iteration_index(logs.name) is not None:
+            return completed(call, self.groups.run(call, placement, force, logs))
+        return completed(call, self.start(call, placement, force, logs))
 
     def close(self) -> None:
         self.groups.close()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from rlpipe.cluster.launchers import StageLaunchError
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members
 from rlpipe.pipelines.plan import StageCall
@@ -75,15 +76,6 @@ def order_log(logs: Path, stage: str, member: int, members: int) -> Path:
     return logs / f"{stage}.log"
 
 
-class StageLaunchFailure(Exception):
-    """Raised by `ResidentGroup.run` as (exit code, log, detail); the launcher turns it into a
-    StageLaunchError (imported there, to keep this module free of a cycle)."""
-
-    def __init__(self, exit_code: int | None, log: Path, detail: str = ""):
-        super().__init__(detail)
-        self.exit_code, self.log, self.detail = exit_code, log, detail
-
-
 class ResidentGroup:
     """One started group: sends orders, waits for the answers."""
 
@@ -94,7 +86,7 @@ class ResidentGroup:
 
     def run(self, call: StageCall, force: bool, logs: Path) -> Path:
         """Send `call` as the next order and wait for every member's answer; returns the first
-        member's log of it. Raises StageLaunchFailure (see the module doc)."""
+        member's log of it. Raises StageLaunchError (see the module doc)."""
         self.seq += 1
         out = {m: order_log(logs, self.stage, m, self.members) for m in range(self.members)}
         for log in set(out.values()):
@@ -111,7 +103,7 @@ class ResidentGroup:
             answers = self.group.answers(self.seq, self.members)
             failed = sorted(m for m, a in answers.items() if a["exit_code"] != 0)
             if failed:
-                raise StageLaunchFailure(answers[failed[0]]["exit_code"], out[failed[0]])
+                raise StageLaunchError(self.stage, answers[failed[0]]["exit_code"], out[failed[0]])
             if len(answers) == self.members:
                 return
             ended = self.handle.ended()
@@ -119,13 +111,15 @@ class ResidentGroup:
                 code, member = ended
                 if self.group.answers(self.seq, self.members).keys() != answers.keys():
                     continue  # it answered and left between the two looks: read the answer
-                raise StageLaunchFailure(code, out[member or 0], f"a worker process of the group ended with "
-                                         f"exit code {code} before answering")
+                log = out[member or 0]
+                if _size(log) == 0 and self.handle.logs:  # it died before its first order: its own log
+                    log = self.handle.logs[min(member or 0, len(self.handle.logs) - 1)]
+                raise StageLaunchError(self.stage, code, log)
             now_size = sum(_size(p) for p in watched)
             if now_size != size or not self.group.all_ready(self.members):  # (imports: not counted)
                 size, changed = now_size, time.monotonic()
             elif time.monotonic() - changed > self.stall_timeout_s:
-                raise StageLaunchFailure(None, out[0], (
+                raise StageLaunchError(self.stage, None, out[0], (
                     f"its workers are alive but wrote nothing for {self.stall_timeout_s:.0f} s "
                     f"(launch.stall_timeout_s): stuck (a hung collective, a deadlock, a stalled filesystem?); "
                     "stopped them"))

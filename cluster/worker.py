@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, me
+from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, me, read_json
 from rlpipe.stages.common.interrupt import exit_on_signals
 
 #: Seconds between a member's heartbeats (and its looks at the driver).
@@ -112,8 +112,6 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
 
 
 def _next_order(group: GroupDir, seq: int) -> dict[str, Any]:
-    from rlpipe.cluster.workorders import read_json
-
     while (order := read_json(group.order_file(seq))) is None:
         time.sleep(POLL_S)
     return order

@@ -18,8 +18,9 @@ class BaseModelConfig(StageConfig):
     """Where the checkpoint goes (model + tokenizer + _manifest.json)."""
     tokenizer_texts: tuple[str, ...] = Field(min_length=1)
     """Texts the tokenizer is trained on (the pipeline passes the task's characters)."""
-    size: Literal["micro", "tiny", "demo"] = "demo"
-    """Model size (micro: unit tests, tiny: ~0.1M parameters, demo: ~0.7M)."""
+    size: Literal["micro", "tiny", "demo", "1m", "20m", "80m"] = "demo"
+    """Model size (micro: unit tests, tiny: ~0.1M parameters, demo: ~0.7M; 1m, 20m, 80m: about
+    that many parameters, for benchmarks/bench_scale.py)."""
     vocab_size: int = Field(320, ge=16)
     """Tokenizer vocabulary size (specials and the 256 byte symbols included)."""
     max_positions: int = Field(256, ge=8)

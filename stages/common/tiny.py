@@ -27,6 +27,10 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "micro": (32, 2, 2, 1, 64),  # ~25k params + embeddings: unit tests
     "tiny": (64, 2, 4, 2, 128),  # ~0.1M: stage tests
     "demo": (128, 4, 4, 2, 256),  # ~0.7M: the demo
+    # benchmarks/bench_scale.py: the cost of an iteration as the model grows
+    "1m": (160, 4, 4, 2, 448),  # ~1.2M
+    "20m": (512, 6, 8, 4, 1536),  # ~19M
+    "80m": (768, 12, 12, 4, 2304),  # ~83M
 }
 
 ModelKind = Literal["causal", "reward", "critic"]

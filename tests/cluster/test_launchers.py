@@ -81,13 +81,16 @@ def test_process_and_srun_command_lines(tmp_path):
         srun_command(optimize, StagePlacement(nodes=2), False, logs / "o.log", allocation_nodes=1)
 
 
-def test_a_failed_launched_stage_reports_its_exit_code_and_log(tmp_path):
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "per_call"])
+def test_a_failed_launched_stage_reports_its_exit_code_and_log(tmp_path, resident):
     call = _call(tmp_path, "rollout")
     call.config_file.parent.mkdir(parents=True)
     call.config_file.write_text("group_size: -1\n")  # the stage's own config check fails: exit 2
-    launcher = ProcessLauncher(Launch(launcher="processes", stages={"rollout": StagePlacement(workers=2)}))
+    launcher = ProcessLauncher(Launch(launcher="processes", resident=resident,
+                                      stages={"rollout": StagePlacement(workers=2)}))
     with pytest.raises(StageLaunchError, match="stage rollout failed \\(exit code 2\\)") as e:
         launcher(call)
+    assert launcher.groups.groups == {} and launcher.groups.started == ({"rollout": 1} if resident else {})
     log = tmp_path / "runs" / "r" / "logs" / "iter_0003" / "rollout.0.log"
     assert e.value.exit_code == 2 and e.value.log in (log, log.with_name("rollout.1.log"))
     # the worker that failed first is reported; the other is stopped

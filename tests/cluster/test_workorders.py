@@ -1,0 +1,88 @@
+"""The work-order files between a driver and its resident groups (rlpipe.cluster.workorders): how
+a member tells that its driver is gone, and how a later driver clears a killed one's groups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from rlpipe.cluster.resident import sweep
+from rlpipe.cluster.workorders import DriverWatch, GroupDir, live_members, me, process_start, still_running
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _as_driver(group: GroupDir, process: dict, timeout: float = 60.0) -> None:
+    info = json.loads((group.path / "group.json").read_text())
+    (group.path / "group.json").write_text(json.dumps({**info, "driver": process, "driver_timeout_s": timeout}))
+
+
+def test_orders_and_answers_round_trip(tmp_path):
+    group = GroupDir.create(tmp_path, "rollout", 2, driver_timeout_s=60)
+    assert group.path.parent == tmp_path / "workers" and group.path.name.startswith("rollout-")
+    assert group.info["members"] == 2 and group.info["driver"] == me()
+    group.send(1, {"config_file": "/x.yaml", "force": False})
+    assert json.loads(group.order_file(1).read_text())["config_file"] == "/x.yaml"
+    group.answer(1, 1, {"exit_code": 0})
+    assert group.answers(1, 2) == {1: {"exit_code": 0}}
+    assert not any(p.name.endswith(".tmp") for p in group.path.rglob("*"))  # written atomically
+
+
+def test_a_member_sees_its_driver_die_on_the_same_host(tmp_path):
+    driver = _sleeper()
+    try:
+        record = {**me(), "pid": driver.pid, "start": process_start(driver.pid)}
+        group = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=60)
+        _as_driver(group, record)
+        watch = DriverWatch(group)
+        assert watch.same_host and watch.gone() is None and still_running(record)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert watch.gone() == f"the driver (pid {driver.pid}) has exited"
+    # a pid reused by another process has another start time: still gone
+    assert not still_running({**record, "pid": 1, "start": "0"})
+
+
+def test_a_member_on_another_host_follows_the_heartbeat(tmp_path):
+    group = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=0.3)
+    _as_driver(group, {**me(), "host": "elsewhere"}, timeout=0.3)
+    watch = DriverWatch(group)
+    assert not watch.same_host
+    for count in range(1, 6):  # a beating driver stays alive however long it lives
+        group.beat(count)
+        time.sleep(0.1)
+        assert watch.gone() is None
+    time.sleep(0.4)  # it stopped beating
+    assert watch.gone() == f"the driver (pid {me()['pid']} on elsewhere) sent no heartbeat for 0 s"
+
+
+def test_an_abandoned_group_is_gone_for_its_members(tmp_path):
+    group = GroupDir.create(tmp_path, "score", 1, driver_timeout_s=60)
+    watch = DriverWatch(group)
+    group.abandon()
+    assert watch.gone() == "a later driver of the run abandoned this group"
+
+
+def test_a_later_driver_clears_a_killed_drivers_groups(tmp_path):
+    """Members that left, and members on this host whose process is gone, are not waited for."""
+    dead = _sleeper()
+    dead.kill()
+    dead.wait()
+    left = GroupDir.create(tmp_path, "rollout", 2, driver_timeout_s=60)
+    for m in (0, 1):
+        left.member_started(m, me())
+    left.member_exited(0)
+    left.member_started(1, {**me(), "pid": dead.pid, "start": "1"})
+    assert live_members(left, 10.0, {}) == []
+    alive = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=60)
+    alive.member_started(0, me())  # this very process: alive
+    assert live_members(alive, 10.0, {}) == [0]
+    alive.member_exited(0)
+    started = time.monotonic()
+    sweep(tmp_path / "workers")
+    assert time.monotonic() - started < 5 and list((tmp_path / "workers").iterdir()) == []
