@@ -3,12 +3,14 @@
 `launch.resident=false`), and placed stages as resident worker groups (`resident`).
 
     .venv/bin/python benchmarks/bench_scale.py [--sizes 1m 20m 80m] [--iterations 5] [--repeats 2]
-                                               [--threads 2] [--json FILE]
+                                               [--threads 2] [--json FILE] [key=value ...]
 
 For each size the demo job (16 prompts x 8 samples x up to 6 new tokens, GRPO, exact-match
 reward, train state saved every iteration) starts from a random Llama of that size built locally
-(`base_model.size`: ~1.2M, ~19M, ~83M parameters; no SFT). Placed: rollout on 1 worker, optimize
-on 1 rank; score and advantage in the driver. Every process gets `--threads` torch threads (the
+(`base_model.size`: ~1.2M, ~19M, ~83M parameters; no SFT), with the default `keep` (the last 2
+train states, every 10th policy, the last and the best; the demo preset itself keeps everything)
+and any `key=value` preset overrides given (`optimize.background_state_save=false`, ...). Placed:
+rollout on 1 worker, optimize on 1 rank; score and advantage in the driver. Every process gets `--threads` torch threads (the
 driver too), so the launchers compute alike: only where the work runs differs. Each size and
 launcher runs in its own driver process (no warm state carried between them), one after another.
 
@@ -19,10 +21,14 @@ split of a steady iteration, and the bytes written per iteration (the iteration'
                and the stages in the driver (score, advantage)
   start/load   launch to the stage's own start (process start, imports, input checks) plus
                loading models, engines and the train state (rollout engine start, optimize setup)
-  save         optimize writing the policy checkpoint, the train state and its metrics
+  save         optimize writing its metrics and policy checkpoint (and the train state when it is
+               not written in the background, `optimize.background_state_save`)
   other        the rest: writing rollouts and scores, manifests, the driver's records and report
+It also prints optimize's wall time (the stage's critical path), the train-state save's own
+seconds (in the background by default: overlapping the next iteration), and the run's disk
+footprint after its N iterations.
 With `--json FILE` it writes `{"<size>": {"<launcher>": {"s_per_iteration": ..., "bytes_per_iteration":
-..., "first_iteration_s": ..., "split": {...}}}}`.
+..., "first_iteration_s": ..., "footprint_bytes": ..., "optimize_s": ..., "state_save_s": ..., "split": {...}}}}`.
 """
 
 from __future__ import annotations
@@ -44,28 +50,39 @@ LAUNCHERS = {
 }
 
 
-def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int) -> dict:
+#: The default keep, over the demo preset's keep-everything.
+DEFAULT_KEEP = ["keep.train_states=2", "keep.checkpoints_every=10", "keep.best=accuracy"]
+
+
+def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int, overrides: list[str]) -> dict:
     """One driver: the demo job at `size` under `launcher`; per iteration its driver-side stage
     times and the manifests' timings."""
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.pipelines.runner import Pipeline
-    from rlpipe.schemas import read_manifest
 
     placement = [] if launcher == "local" else [
         "launch.rollout.workers=1", f"launch.rollout.cpus_per_task={threads}",
         "launch.optimize.ranks_per_node=1", f"launch.optimize.cpus_per_task={threads}"]
     preset = load_preset("demo", [f"base_model.size={size}", "sft=null", f"iterations={iterations}",
-                                  "eval_every=0", "loggers=[]", *LAUNCHERS[launcher], *placement])
+                                  "eval_every=0", "loggers=[]", *DEFAULT_KEEP, *LAUNCHERS[launcher], *placement,
+                                  *overrides])
     pipeline = Pipeline(preset, run_dir, log=lambda line: print(line, file=sys.stderr, flush=True))
     pipeline.run()
+    from rlpipe.schemas.pruning import recorded_manifest
+
     out = []
     for record in pipeline.records:
         folder = run_dir / f"iter_{record.iteration:04d}"
-        rollout, policy = read_manifest(folder / "rollouts"), read_manifest(folder / "policy")
+        # (pruned ones by their records: what they were, and how many bytes were written)
+        rollout, policy, state = (recorded_manifest(folder / name) for name in ("rollouts", "policy", "train_state"))
+        written = sum(f.bytes for name in ("policy", "train_state", "rollouts", "scores", "advantages", "metrics")
+                      for f in recorded_manifest(folder / name).files)
         out.append({"seconds": record.seconds, "rollout": {"wall": rollout.wall_time_s, **rollout.extra["timing"]},
                     "optimize": {"wall": policy.wall_time_s, **policy.extra["timing"]},
-                    "bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())})
-    return {"iterations": out}
+                    "state_save_s": state.extra.get("save_s", policy.extra["timing"].get("state_save_s")),
+                    "bytes": written})
+    footprint = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
+    return {"iterations": out, "footprint_bytes": footprint}
 
 
 def split(it: dict) -> dict[str, float]:
@@ -87,6 +104,9 @@ def summarise(runs: list[dict]) -> dict:
             "first_iteration_s": statistics.median(run["iterations"][0]["seconds"]["total"] for run in runs),
             "bytes_per_iteration": med(lambda it: it["bytes"]),
             "split": {k: med(lambda it, k=k: split(it)[k]) for k in ("compute", "start_load", "save", "other")},
+            "optimize_s": med(lambda it: it["optimize"]["wall"]),
+            "state_save_s": med(lambda it: it["state_save_s"] or 0.0),
+            "footprint_bytes": statistics.median(run["footprint_bytes"] for run in runs),
             "rollout_model_load": sorted({it["rollout"].get("model_load") for run in runs
                                           for it in run["iterations"][1:]}),
             "steady_iterations": len(steady)}
@@ -100,11 +120,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="runs per size and launcher, in alternating order")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every process")
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="preset overrides for every run")
     p.add_argument("--child", nargs=3, metavar=("SIZE", "LAUNCHER", "RUN_DIR"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         size, launcher, run_dir = a.child
-        print(json.dumps(child(size, launcher, Path(run_dir), a.iterations, a.threads)))
+        print(json.dumps(child(size, launcher, Path(run_dir), a.iterations, a.threads, a.overrides)))
         return 0
 
     figures: dict[str, dict[str, dict]] = {}
@@ -117,7 +138,8 @@ def main() -> int:
                     run_dir = Path(tmp) / f"{size}-{launcher}-{repeat}" / "runs" / "demo"
                     started, load = time.perf_counter(), os.getloadavg()[0]
                     done = subprocess.run([sys.executable, __file__, "--child", size, launcher, str(run_dir),
-                                           "--iterations", str(a.iterations), "--threads", str(a.threads)],
+                                           "--iterations", str(a.iterations), "--threads", str(a.threads),
+                                           *a.overrides],
                                           env=env, capture_output=True, text=True)
                     if done.returncode != 0:
                         print(done.stderr[-4000:], file=sys.stderr)
@@ -135,9 +157,11 @@ def main() -> int:
 
 def table(figures: dict, a: argparse.Namespace) -> str:
     lines = [f"demo job, {a.repeats} run(s) of {a.iterations} iterations per size and launcher, {a.threads} torch "
-             f"thread(s) per process, {os.cpu_count()} cores; medians of iterations 1..{a.iterations - 2} of every run",
+             f"thread(s) per process, {os.cpu_count()} cores; medians of iterations 1..{a.iterations - 2} of every run"
+             + (f"; {' '.join(a.overrides)}" if a.overrides else ""),
              "| size | launcher | s/iteration | vs local | first iteration s | compute | start/load | save | "
-             "other | MB written/iteration |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "other | optimize s | state save s | MB written/iteration | MB on disk after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, by in figures.items():
         base = by.get("local", {}).get("s_per_iteration")
         for launcher, f in by.items():
@@ -145,7 +169,8 @@ def table(figures: dict, a: argparse.Namespace) -> str:
             ratio = f"{f['s_per_iteration'] / base:.2f}x" if base else "-"
             lines.append(f"| {size} | {launcher} | {f['s_per_iteration']:.2f} | {ratio} | {f['first_iteration_s']:.1f} | "
                          f"{sp['compute']:.2f} | {sp['start_load']:.2f} | {sp['save']:.2f} | {sp['other']:.2f} | "
-                         f"{f['bytes_per_iteration'] / 1e6:.1f} |")
+                         f"{f['optimize_s']:.2f} | {f['state_save_s']:.2f} | {f['bytes_per_iteration'] / 1e6:.1f} | "
+                         f"{f['footprint_bytes'] / 1e6:.0f} |")
     return "\n".join(lines)
 
 

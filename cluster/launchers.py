@@ -74,8 +74,9 @@ class StageLaunchError(RuntimeError):
 class Launcher(Protocol):
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest: ...
 
-    def close(self) -> None:
-        """Stop what the launcher keeps running for the run (resident worker groups)."""
+    def close(self, *, wait: bool = False) -> None:
+        """Stop what the launcher keeps running for the run (resident worker groups); `wait`: the
+        run ended, let them finish what they write first."""
         ...
 
 
@@ -91,7 +92,7 @@ class InProcessLauncher:
             engine.make_room()
         return get_stage(call.name).run(call.config, force=force)
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = False) -> None:
         pass
 
 
@@ -136,17 +137,20 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def completed(call: StageCall, log: Path) -> Manifest:
-    """The manifest of the call's first output, once every output has one (the completion signal)."""
-    from rlpipe.schemas import ArtifactError, read_manifest
+    """The manifest of the call's first output, once every output it returns with has one (the
+    completion signal; one pruned after it was written counts, by its record; one written in the
+    background, optimize's train state, is waited for by the stage that reads it)."""
+    from rlpipe.schemas import ArtifactError
+    from rlpipe.schemas.pruning import recorded_manifest
 
-    outputs = call.config.outputs()
+    outputs = call.config.returned_outputs()
     for path in outputs.values():
         try:
-            read_manifest(path)
+            recorded_manifest(path)
         except ArtifactError:
             raise StageLaunchError(call.name, None, log, f"its processes exited 0 but {path} has no "
                                    "valid manifest") from None
-    return read_manifest(next(iter(outputs.values())))
+    return recorded_manifest(next(iter(outputs.values())))
 
 
 def _last_error(log: Path) -> str:
@@ -205,8 +209,8 @@ class PlacedLauncher:
             return completed(call, self.groups.run(call, placement, force, logs))
         return completed(call, self.start(call, placement, force, logs))
 
-    def close(self) -> None:
-        self.groups.close()
+    def close(self, *, wait: bool = False) -> None:
+        self.groups.close(wait=wait)
 
     def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
         """Run the placed stage to its end (raise StageLaunchError on failure); returns its log."""

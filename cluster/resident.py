@@ -125,11 +125,12 @@ class ResidentGroup:
                     "stopped them"))
             time.sleep(POLL_S)
 
-    def stop(self) -> None:
-        """A stop order, the grace to leave, then the handle's stop; the group folder goes."""
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """A stop order, `grace` seconds to leave (members finish what they write in the
+        background first), then the handle's stop; the group folder goes."""
         with contextlib.suppress(OSError):
             self.group.send(self.seq + 1, {"stop": True})
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.handle.ended() is None:
             time.sleep(POLL_S)
         self.handle.stop(grace=STOP_GRACE_S)
@@ -201,12 +202,14 @@ class ResidentGroups:
 
         threading.Thread(target=beat, daemon=True, name="rlpipe-driver-beat").start()
 
-    def close(self) -> None:
-        """Stop every group (the run ended, failed or was interrupted)."""
-        self._beating.clear()
+    def close(self, *, wait: bool = False) -> None:
+        """Stop every group: at the end of a run (`wait`: up to `launch.stall_timeout_s` for the
+        members to finish their background saves), or at once (it failed or was interrupted)."""
+        grace = self.launch.stall_timeout_s if wait else STOP_GRACE_S
         while self.groups:
             _, group = self.groups.popitem()
-            group.stop()
+            group.stop(grace)
+        self._beating.clear()
         for run_dir in self._swept:
             with contextlib.suppress(OSError):
                 (run_dir / WORKERS_DIR).rmdir()  # (only when empty)

@@ -63,9 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--member", type=int, help="this worker's index (default: the launch's rank)")
     p.add_argument("--members", type=int, help="the group's size (default: the launch's world size)")
     a = p.parse_args(argv)
+    from rlpipe.stages.common.background import allow_background
     from rlpipe.stages.common.models import keep_saved_checkpoints
 
     keep_saved_checkpoints(False)  # this process serves one stage: no later stage reads its checkpoints
+    allow_background()  # a train state is written while the run goes on; waited for at the next order, or the stop
     group = GroupDir(a.group.absolute())
     member, members = identity(a.member, a.members)
     stage = group.info["stage"]
@@ -97,10 +99,13 @@ def _import_stage(stage: str) -> None:
 
 def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
     """Take the orders in turn until a stop order (0) or a failed one (its exit code)."""
+    from rlpipe.stages.common.background import wait_for_background
+
     seq = 1
     while True:
         order = _next_order(group, seq)
         if order.get("stop"):
+            wait_for_background()  # (a failed save raises: exit 1, its error in the log)
             return 0
         started = time.perf_counter()
         code = run_order(stage, order, member, members)

@@ -5,6 +5,7 @@
     rlpipe inspect PATH         summarise a table artifact, a checkpoint or a whole run directory
     rlpipe stage NAME [ARGS]    run one stage on saved artifacts (`rlpipe stage NAME --help`)
     rlpipe run [PRESET] [k=v]   run a pipeline preset end to end (no PRESET: the built-in demo)
+    rlpipe prune RUN [k=v]      delete the checkpoints and train states a run's `keep` no longer keeps
     rlpipe data import SRC OUT  import prompts or preference pairs (JSONL, CSV, Parquet, datasets)
     rlpipe submit slurm|k8s PRESET [k=v]   a whole run as one Slurm allocation / Kubernetes Jobs
 
@@ -187,6 +188,46 @@ def run(
             if not isinstance(e, UserError) or debug:
                 raise
             raise _fail(str(e), 2) from None
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def prune(
+    ctx: typer.Context,
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>).")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; delete nothing.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a user error.")] = False,
+) -> None:
+    """Apply the run's `keep` section (from its preset.yaml) to its directory: delete the
+    checkpoints and train states it no longer keeps, printing each with its size, and the total.
+
+    Extra `keep.KEY=VALUE` arguments override the run's setting (e.g. `keep.train_states=1`); what a
+    resume, an extension or a replay of the run reads is never deleted (docs/design.md#keep).
+    """
+    from rlpipe.pipelines.keep import Keep, prune_run
+    from rlpipe.pipelines.lock import run_lock
+    from rlpipe.schemas.config import apply_overrides, load_yaml, parse_config
+    from rlpipe.schemas.errors import UserError
+
+    preset_file = run_dir / "preset.yaml"
+    try:
+        if not preset_file.is_file():
+            raise UserError(f"{run_dir} is not a run directory (no preset.yaml): give runs/<name> of a run")
+        overrides = list(ctx.args)
+        bad = [o for o in overrides if not o.startswith("keep.")]
+        if bad:
+            raise UserError(f"only keep.KEY=VALUE overrides apply to prune, got {', '.join(bad)}")
+        data = apply_overrides({"keep": load_yaml(preset_file).get("keep") or {}}, overrides)
+        keep = parse_config(Keep, data["keep"], f"{preset_file} (keep)")
+        console = _console()
+        with run_lock(run_dir, log=lambda line: console.print(line, markup=False)) as writable:
+            if not writable and not dry_run:
+                raise UserError(f"{run_dir} is not writable: nothing can be pruned (try --dry-run)")
+            freed = prune_run(run_dir, keep, dry_run=dry_run, log=lambda line: console.print(line, markup=False))
+    except UserError as e:
+        if debug:
+            raise
+        raise _fail(str(e), 2) from None
+    console.print(f"{'would free' if dry_run else 'freed'} {freed / 1e6:.1f} MB in {run_dir}", markup=False)
 
 
 data_app = typer.Typer(help="Bring your own data: import files as artifacts.", no_args_is_help=True)

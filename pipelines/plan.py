@@ -260,12 +260,12 @@ class Plan:
         kl = dict((self.preset.fragment("advantage") or {}).get("kl") or {})
         if kl.get("controller") != "adaptive" or k == 0:
             return {}
-        from rlpipe.schemas import read_manifest
         from rlpipe.schemas.errors import UserError
+        from rlpipe.schemas.pruning import recorded_manifest
 
         previous = self.layout.stage(k - 1, "advantages")
         try:
-            beta = read_manifest(previous).extra["kl_beta_next"]
+            beta = recorded_manifest(previous).extra["kl_beta_next"]
         except Exception as e:
             raise UserError(f"advantage.kl.controller adaptive: iteration {k} needs kl_beta_next from {previous}, "
                             f"which iteration {k - 1} writes (run it first): {e}") from None

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlpipe.cluster.placement import Launch
+from rlpipe.pipelines.keep import Keep
 from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -113,6 +114,10 @@ class Preset(_Spec):
     launch: Launch = Launch()
     """Where stages run: the launcher and per-stage processes, nodes and GPUs
     (`rlpipe.cluster.placement`); never changes the artifacts."""
+    keep: Keep = Keep()
+    """Which checkpoints and train states stay on disk (`rlpipe.pipelines.keep`): the last 2 train
+    states, the policy of every 10th iteration, the last and the best evaluation; never changes
+    the artifacts that stay."""
     loggers: list[str] = []
     """Metric sinks that get every iteration's summary, the resolved preset and sample
     completions, by name: tensorboard, mlflow, wandb (offline unless WANDB_MODE says otherwise);

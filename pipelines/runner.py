@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from rlpipe.pipelines.keep import prune_run
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.lock import run_lock
 from rlpipe.pipelines.plan import Plan, StageCall
@@ -28,6 +29,7 @@ from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
 from rlpipe.schemas.runs import iteration_dirs
+from rlpipe.stages.common.background import allow_background, wait_for_background
 
 StageCallable = Callable[[StageCall], Manifest]
 
@@ -86,9 +88,12 @@ class Pipeline:
         """Set-up stages, then the iterations; returns one record per iteration."""
         self.layout.root.mkdir(parents=True, exist_ok=True)
         with run_lock(self.layout.root, log=self.log) as writable:
+            allow_background()  # (stages in this process: optimize's train state, while the run goes on)
             try:
                 return self._run(writable)
-            finally:  # the run ended, failed or was interrupted: no worker outlives it
+            finally:  # the run ended, failed or was interrupted: no worker outlives it, no save is left half done
+                wait_for_background(raise_errors=False)
+                allow_background(False)
                 self.launcher.close()
 
     def _run(self, writable: bool) -> list[IterationRecord]:
@@ -113,6 +118,14 @@ class Pipeline:
             monitor.on_iteration(record)
             if self.on_iteration is not None:
                 self.on_iteration(record)
+            if writable:  # what `keep` no longer keeps goes once the iteration is complete
+                prune_run(L.root, p.keep, log=self.log)
+        # What is still being written (train states, in this process or in resident workers) is
+        # complete before the run ends; then the last prune counts it.
+        wait_for_background()
+        self.launcher.close(wait=True)
+        if writable:
+            prune_run(L.root, p.keep, log=self.log)
         monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
@@ -170,7 +183,7 @@ class Pipeline:
 #: Preset keys that do not change what a run computes: a finished run reruns with new values.
 # Preset keys that never change what a run computes: a run extends or resumes under any value of
 # them (where stages run, where metrics go, how many iterations).
-_NOT_THE_RUN = {"iterations", "launch", "loggers", "description"}
+_NOT_THE_RUN = {"iterations", "launch", "loggers", "description", "keep"}
 
 
 def _relative_paths(config: StageConfig, folder: Path) -> dict:

@@ -43,9 +43,15 @@ class Input:
 
 @dataclass(frozen=True)
 class Output:
-    """Marks a config field as an output artifact the stage writes (kind as for `Input`)."""
+    """Marks a config field as an output artifact the stage writes (kind as for `Input`).
+
+    `background`: the stage may return before this output is complete (it is written in the
+    background while the next stages run: optimize's train state). It is part of the stage's
+    cache hit like any output, but a launch is complete without it (`returned_outputs`); the
+    stage that reads it next waits for it in the process that writes it."""
 
     kind: str
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,10 @@ class StageConfig(BaseModel):
     def outputs(self) -> dict[str, Path]:
         """The artifacts this config writes (unset optional outputs left out)."""
         return {name: getattr(self, name) for name in self.output_fields() if getattr(self, name) is not None}
+
+    def returned_outputs(self) -> dict[str, Path]:
+        """The outputs complete when the stage returns (all but the `background` ones)."""
+        return {name: path for name, path in self.outputs().items() if not self.output_fields()[name].background}
 
     @model_validator(mode="after")
     def _outputs_apart_from_inputs(self) -> StageConfig:

@@ -37,6 +37,11 @@ def read_manifest(path: Path | str) -> Manifest:
 
 
 def _not_found(path: Path) -> ArtifactNotFound:
+    from rlpipe.schemas.pruning import pruned, pruned_error
+
+    record = pruned(path)
+    if record is not None:
+        return pruned_error(path, record)
     why = "does not exist" if not path.exists() else "has no _manifest.json (incomplete: its stage did not finish)"
     return ArtifactNotFound(f"artifact {path} {why}")
 
@@ -46,9 +51,13 @@ def exists(path: Path | str) -> bool:
 
 
 def cached_manifest(path: Path | str, key: str) -> Manifest | None:
-    """The existing manifest at `path` if it was produced with cache key `key`, else None."""
+    """The existing manifest at `path` if it was produced with cache key `key`, else None. An
+    artifact pruned after it was produced with that key counts (its recorded manifest): the work
+    was done (`rlpipe.schemas.pruning`)."""
+    from rlpipe.schemas.pruning import recorded_manifest
+
     try:
-        manifest = read_manifest(path)
+        manifest = recorded_manifest(path)
     except ArtifactError:
         return None
     return manifest if manifest.cache_key == key else None

@@ -80,6 +80,8 @@ MINI = {
     "advantage": {"estimator": "grpo"},
     "optimize": {"lr": 1.0e-3, "micro_batch_size": 16},
     "evaluate": {"max_new_tokens": 3},
+    # every artifact stays (tests rerun stages of any iteration); tests/pipelines/test_keep.py prunes
+    "keep": {"train_states": None, "checkpoints_every": 1},
 }
 
 

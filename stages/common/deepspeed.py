@@ -113,13 +113,15 @@ def full_parameters(engine: Any) -> Iterator[torch.nn.Module]:
 
 
 def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,
-                    part: Callable[[Any], Any] | None = None, keep_copy: bool = True) -> Any:
+                    part: Callable[[Any], Any] | None = None, keep_copy: bool = True,
+                    max_shard_size: int | str = "5GB") -> Any:
     """Save the full model + tokenizer (rank 0) as a Hugging Face checkpoint; collective under ZeRO-3.
 
     Args:
         part: picks the Hugging Face model inside the engine's module (e.g. the model a
             head-adding wrapper holds); default: the engine's module itself.
         keep_copy: return a copy of the saved model (for the in-process cache).
+        max_shard_size: above this size the weights go into several files plus an index.
 
     Returns, on rank 0 with `keep_copy`, a plain copy of the saved model in eval mode (no
     DeepSpeed hooks), equal to what loading `out_dir` gives; else None.
@@ -130,7 +132,7 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
     with full_parameters(engine) as whole:
         if rank == 0:
             module = whole if part is None else part(whole)
-            save(module, tokenizer, out_dir)
+            save(module, tokenizer, out_dir, max_shard_size=max_shard_size)
             if not keep_copy:
                 return None
             copy = type(module)(module.config)

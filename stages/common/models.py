@@ -51,11 +51,15 @@ class Slot:
 
 
 def checkpoint_key(path: Path | str) -> str:
-    """Content identity of a checkpoint directory."""
+    """Content identity of a checkpoint directory (a pruned one's: the content it had)."""
+    from rlpipe.schemas.pruning import PRUNED_NAME
+
     path = Path(path)
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
         return json.loads(manifest.read_text())["content_hash"]
+    if (path / PRUNED_NAME).is_file():
+        return json.loads((path / PRUNED_NAME).read_text())["manifest"]["content_hash"]
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         if p.is_file():

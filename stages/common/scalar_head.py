@@ -92,7 +92,7 @@ class ScalarHeadModel(nn.Module):
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
     def save_pretrained(self, out_dir: Path | str, state_dict: dict[str, torch.Tensor] | None = None,
-                        safe_serialization: bool = True) -> None:
+                        safe_serialization: bool = True, max_shard_size: int | str = "5GB") -> None:
         """Write the backbone (Hugging Face format) and the head (scalar_head.safetensors).
 
         `state_dict` (keys `backbone.*`, `head.*`), when given, replaces the module's own tensors
@@ -107,7 +107,8 @@ class ScalarHeadModel(nn.Module):
         for name, tensor in state.items():
             part, _, rest = name.partition(".")
             parts[part][rest] = tensor
-        self.backbone.save_pretrained(out, state_dict=parts["backbone"], safe_serialization=True)
+        self.backbone.save_pretrained(out, state_dict=parts["backbone"], safe_serialization=True,
+                                      max_shard_size=max_shard_size)
         save_file({k: v.detach().cpu().contiguous() for k, v in parts["head"].items()}, out / HEAD_FILE)
 
 

@@ -28,6 +28,7 @@ from rlpipe.schemas.atomic import content_sha256
 from rlpipe.schemas.config import StageConfig
 from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.inputs import input_problem
+from rlpipe.schemas.pruning import recorded_manifest
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,27 @@ class StageStart:
     """The primary output's manifest when every output already holds this work (else None)."""
     force: bool = False
     """Recompute even on a cache hit (passed on to the stages this one runs inside)."""
+    done: frozenset[str] = frozenset()
+    """Outputs (field names) that already hold this work, when not all do: a run killed after
+    writing some of them (optimize's policy, before its train state). A stage may keep them as
+    they are rather than write the same content again (nothing complete is rewritten)."""
     started: float = field(default_factory=time.time)
     """When the stage started (time.time()), for the manifests' wall time."""
 
 
 def input_refs(config: StageConfig) -> dict[str, InputRef]:
-    """Every input the config names, checked and identified by content."""
+    """Every input the config names, checked and identified by content. A pruned input is
+    identified by the content it had (its record): enough for a cache hit, which reads nothing."""
+    from rlpipe.schemas.pruning import pruned
     from rlpipe.stages.common.models import checkpoint_key
 
     refs: dict[str, InputRef] = {}
     for name, path in config.inputs().items():
         kind = config.input_kind(name)
+        record = pruned(path)
+        if record is not None:
+            refs[name] = record.manifest.as_input(path)
+            continue
         problem = input_problem(path, kind)
         if problem:
             raise UserError(f"{name}: {problem}")
@@ -79,11 +90,24 @@ def begin(stage: str, config: StageConfig, *, force: bool = False,
     inputs = {**input_refs(config), **(extra_inputs or {})}
     decided_by = dict(key_config) if key_config is not None else config.cache_dict()
     key = cache_key(stage, decided_by, {role: ref.content_hash for role, ref in inputs.items()})
-    outputs = list(config.outputs().values())
+    outputs = config.outputs()
+    done = frozenset() if force else frozenset(n for n, p in outputs.items() if cached_manifest(p, key) is not None)
     cached = None
-    if not force and all(cached_manifest(p, key) is not None for p in outputs):
-        cached = read_manifest(outputs[0])
-    return StageStart(inputs, key, cached, force)
+    if done == set(outputs):
+        cached = recorded_manifest(next(iter(outputs.values())))
+    else:
+        _refuse_pruned_inputs(config)
+    return StageStart(inputs, key, cached, force, done=done)
+
+
+def _refuse_pruned_inputs(config: StageConfig) -> None:
+    """The stage must work, and an input it would read was pruned: stop now, naming it."""
+    from rlpipe.schemas.pruning import pruned, pruned_error
+
+    for name, path in config.inputs().items():
+        record = pruned(path)
+        if record is not None:
+            raise pruned_error(path, record, role=name)
 
 
 C = TypeVar("C", bound=StageConfig)

@@ -107,11 +107,12 @@ def build_model(tokenizer, kind: ModelKind = "causal", size: str = "tiny", seed:
     return model
 
 
-def save_pretrained(model, tokenizer, out_dir: Path | str) -> Path:
-    """Save model + tokenizer in Hugging Face format (safetensors)."""
+def save_pretrained(model, tokenizer, out_dir: Path | str, max_shard_size: int | str = "5GB") -> Path:
+    """Save model + tokenizer in Hugging Face format (safetensors): above `max_shard_size`, as
+    several files plus `model.safetensors.index.json`, which transformers and vLLM load as one."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
     return out
 

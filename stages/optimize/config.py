@@ -155,7 +155,7 @@ class OptimizeConfig(StageConfig):
     """Where the new critic checkpoint goes; required when `critic` is set."""
     metrics_output: Annotated[Path, Output("metrics")]
     """Where the `metrics` artifact (one row per step and metric) goes."""
-    train_state_output: Annotated[Path | None, Output("train_state")] = None
+    train_state_output: Annotated[Path | None, Output("train_state", background=True)] = None
     """Where the training state after this stage goes (DeepSpeed checkpoint + manifest); None:
     not written."""
     run: Annotated[str, Assigned()] = "run"
@@ -204,8 +204,15 @@ class OptimizeConfig(StageConfig):
     plus the policy checkpoints since (`replay`): in one process the engine stays warm; a resumed
     run replays those (at most N-1) iterations' optimize steps from their saved artifacts and ends
     identical to an uninterrupted run. 1: every iteration saves it (nothing is ever replayed).
-    Launched in processes of its own (a `launch:` placement), optimize keeps no warm engine and
-    every iteration replays those since the last save (docs/design.md#train-state)."""
+    Placed on resident workers (a `launch:` placement) the engines stay warm there too; launched
+    anew for every call (`launch.resident: false`) every iteration replays those since the last
+    save (docs/design.md#train-state)."""
+    background_state_save: bool = True
+    """Write the train state in a background thread after the policy checkpoint (which the next
+    rollout reads), so it leaves the critical path: the next stages run while it is written, and
+    the next optimize in the same process waits for it. Its manifest is written last, so a kill
+    mid-save leaves no complete-looking state (the rerun recomputes it). False: written before
+    the stage returns."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay (policy and critic)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -253,8 +260,17 @@ class OptimizeConfig(StageConfig):
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: fp32 on CPU, bf16 when CUDA is present."""
+    max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+    """Policy and critic checkpoints larger than this are written as several safetensors files
+    plus model.safetensors.index.json (Hugging Face's max_shard_size: '5GB', '500MB'); the
+    rollout engines, the reference stage and replay read either layout."""
     seed: int = 0
     """Seeds shuffling and the critic head's init."""
+
+    def cache_dict(self) -> dict[str, Any]:
+        """As every stage's, less `background_state_save`: when the state is written never
+        changes what is written."""
+        return {k: v for k, v in super().cache_dict().items() if k != "background_state_save"}
 
     @model_validator(mode="after")
     def _check(self) -> OptimizeConfig:

@@ -74,6 +74,12 @@ def keep_warm(engines: Engines, state_id: str) -> None:
     _WARM[state_id] = engines
 
 
+def rekey_warm(old: str, new: str) -> None:
+    """The warm engines held under `old` hold the state `new` names (its save completed)."""
+    if old in _WARM:
+        _WARM[new] = _WARM.pop(old)
+
+
 def clear_warm() -> None:
     """Drop the warm engines (tests; a process that wants its memory back)."""
     for engines in _WARM.values():

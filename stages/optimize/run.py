@@ -2,8 +2,10 @@
 
 Reads rollouts + advantages (+ reference log-probs), recomputes the old log-probs with the training
 model (by default), runs seeded shuffled minibatches with gradient accumulation on W ranks, and
-writes the new policy (and critic) checkpoints and a `metrics` artifact. Rank 0 writes; the policy
-checkpoint's manifest is written last, so a complete policy checkpoint means a complete stage.
+writes the new policy (and critic) checkpoints and a `metrics` artifact. Rank 0 writes the metrics,
+the critic, then the policy (the next rollout's input, so first); every rank then writes the train
+state, in a background thread by default (stages/common/background.py): the next stages run while
+it is written, the next optimize waits for it, and the stage's cache hit needs all its outputs.
 
 Training state: AdamW moments, fp32 masters, the LR schedule's position and the global step persist
 between iterations in a `train_state` artifact (state.py), written every `state_every` iterations:
@@ -34,6 +36,7 @@ from rlpipe.schemas import (
 )
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
+from rlpipe.stages.common.background import in_background, wait_for_background
 from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.progress import progress
@@ -61,9 +64,15 @@ from rlpipe.stages.optimize.trpo_step import TRPOStep
 STAGE = "optimize"
 
 
+def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
+    """Run the stage; returns the new policy checkpoint's manifest (on every rank). A train state
+    the previous run in this process is still writing (maybe this run's input) is waited for first."""
+    wait_for_background()
+    return _run(config, force=force)
+
+
 @opens(STAGE)
-def run(config: OptimizeConfig, start: StageStart) -> Manifest:
-    """Run the stage; returns the new policy checkpoint's manifest (on every rank)."""
+def _run(config: OptimizeConfig, start: StageStart) -> Manifest:
     from rlpipe.stages.common import deepspeed as ds
     from rlpipe.stages.common.distributed import init_distributed
     from rlpipe.stages.optimize import engine as E
@@ -292,43 +301,31 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
 
 def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows: list[tuple[int, str, float]],
           engines: Engines, tokenizer: Any, rank: int, timing: dict[str, float]) -> Manifest:
-    """Rank 0 writes metrics, then the train state, the critic, then the policy (its manifest
-    last); the engines stay warm for the next run, under the id of the state they hold (replay.py)."""
-    from rlpipe.stages.optimize.replay import keep_warm, saved_state_id, unsaved_state_id
+    """Rank 0 writes metrics, the critic, then the policy (the next rollout's input, so first);
+    then every rank the train state, in the background unless `background_state_save` is off. The
+    engines stay warm for the next run, under the id of the state they hold (replay.py)."""
+    from rlpipe.stages.optimize.replay import keep_warm, unsaved_state_id
 
     key, inputs, started = start.key, start.inputs, start.started
     resolved = config.resolved()
-    if rank == 0:
+    # Outputs a killed run already wrote with this cache key (its train state was cut short)
+    # stay as they are: the same work gives the same content, and nothing complete is rewritten.
+    if rank == 0 and "metrics_output" not in start.done:
         table = {"run": [config.run] * len(rows), "iteration": [batch.iteration] * len(rows),
                  "stage": [STAGE] * len(rows), "step": [r[0] for r in rows], "name": [r[1] for r in rows],
                  "value": [r[2] for r in rows]}
         write_table_artifact(config.metrics_output, METRICS, table, stage=STAGE, config=resolved,
                              inputs=inputs, cache_key=key)
-    state_id = None
-    if config.train_state_output is not None:
-        from rlpipe.stages.optimize.state import KIND, save_engines
-
-        mark = time.perf_counter()
-        out = Path(config.train_state_output)
-        # Staged like the checkpoints (every rank writes its shards): the old state stays whole
-        # until the new one and its manifest are complete.
-        with staged_directory(out, write=rank == 0, shared=True) as staging:
-            record = save_engines(engines.roles(), staging, rank, engines.rng)
-            if rank == 0:
-                commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
-                                 extra={"kind": KIND, **record}, wall_time_s=time.time() - started)
-        torch.distributed.barrier()
-        timing["state_save_s"] = time.perf_counter() - mark
-        state_id = saved_state_id(read_manifest(out).content_hash)
     summary = {name: value for step, name, value in rows if step == max(r[0] for r in rows) or step == 0}
-    for engine, out, kind in ((engines.critic, config.critic_output, "critic"), (engines.policy, config.output, "causal")):
-        if engine is None:
+    for engine, field, kind in ((engines.critic, "critic_output", "critic"), (engines.policy, "output", "causal")):
+        out = getattr(config, field)
+        if engine is None or field in start.done:
             continue
         out = Path(out)
         lora = kind == "causal" and config.lora is not None
         with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
             copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None,
-                                      keep_copy=keeps_saved_checkpoints())
+                                      keep_copy=keeps_saved_checkpoints(), max_shard_size=config.max_shard_size)
             if rank == 0:
                 extra = {"metrics": summary, "kind": kind, "timing": timing}
                 if lora:
@@ -339,8 +336,37 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
     policy = read_manifest(config.output)
-    keep_warm(engines, state_id or unsaved_state_id(policy))
+    keep_warm(engines, unsaved_state_id(policy))
+    if "train_state_output" in start.done:
+        from rlpipe.stages.optimize.replay import rekey_warm, saved_state_id
+
+        rekey_warm(unsaved_state_id(policy), saved_state_id(read_manifest(config.train_state_output).content_hash))
+    elif config.train_state_output is not None:
+        save = partial(_save_state, config, start, engines, rank, unsaved_state_id(policy))
+        if config.background_state_save:
+            in_background(save, str(config.train_state_output))  # while the next rollout runs
+        else:
+            save()
     return policy
+
+
+def _save_state(config: OptimizeConfig, start: StageStart, engines: Engines, rank: int, warm_id: str) -> None:
+    """Write the train state (collective: every rank; DeepSpeed's checkpoint, each rank its own
+    files), staged like the checkpoints: the old state stays whole until the new one and its
+    manifest are complete. Then the warm engines are known by the saved state's id."""
+    from rlpipe.stages.optimize.replay import rekey_warm, saved_state_id
+    from rlpipe.stages.optimize.state import KIND, save_engines
+
+    mark = time.perf_counter()
+    out = Path(config.train_state_output)
+    with staged_directory(out, write=rank == 0, shared=True) as staging:
+        record = save_engines(engines.roles(), staging, rank, engines.rng)
+        if rank == 0:
+            commit_directory(staging, stage=STAGE, config=config.resolved(), inputs=start.inputs, cache_key=start.key,
+                             extra={"kind": KIND, **record, "save_s": round(time.perf_counter() - mark, 3)},
+                             wall_time_s=time.time() - start.started)
+    torch.distributed.barrier()
+    rekey_warm(warm_id, saved_state_id(read_manifest(out).content_hash))
 
 
 def _merged(module: Any) -> Any:

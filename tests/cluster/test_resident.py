@@ -45,12 +45,16 @@ def worker_pids(run_dir: Path) -> list[int]:
     return found
 
 
-def wait_for(what, timeout: float, poll: float = 0.1):
+def wait_for(what, timeout: float, poll: float = 0.1, driver: Driver | None = None):
+    """what()'s first true value within `timeout` s (while `driver`, if given, still runs)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = what()
         if value:
             return value
+        if driver is not None and driver.proc.poll() is not None:
+            raise AssertionError(f"the driver ended (exit {driver.proc.returncode}) before "
+                                 f"{what.__doc__ or what}:\n{driver.output[-3000:]}")
         time.sleep(poll)
     raise AssertionError(f"not within {timeout} s: {what.__doc__ or what}")
 
@@ -151,10 +155,15 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     root = tmp_path / "resident"
     run_dir = root / "runs" / "mini"
 
-    # 1. a worker alive but silent: reported stuck after the stall timeout, its group stopped
+    # 1. a worker alive but silent: reported stuck after the stall timeout, its group stopped.
+    # Only score is placed here (a placement is no part of the run: the same run directory), so
+    # that no other group's silent first steps (loading a model on a loaded machine) meet the
+    # short timeout first.
+    only_score = tmp_path / "only-score.yaml"
+    only_score.write_text(yaml.safe_dump({**FAULTS, "launch": {"launcher": "processes", "score": {"workers": 2}}}))
     hold = tmp_path / "hold-1"
-    d = Driver(root, preset, "launch.stall_timeout_s=5", env={"RLPIPE_TEST_HOLD": str(hold)})
-    wait_for(hold.is_file, 300)
+    d = Driver(root, only_score, "launch.stall_timeout_s=5", env={"RLPIPE_TEST_HOLD": str(hold)})
+    wait_for(hold.is_file, 300, driver=d)
     assert d.wait(60) != 0
     assert "stage score failed" in d.output and "wrote nothing for 5 s (launch.stall_timeout_s)" in d.output
     _no_workers_within(run_dir, 15)
@@ -162,7 +171,7 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     # 2. a score worker SIGKILLed mid-stage: the call fails at once, naming the exit code
     hold = tmp_path / "hold-2"
     d = Driver(root, preset, env={"RLPIPE_TEST_HOLD": str(hold)})
-    pid = int(wait_for(lambda: hold.is_file() and hold.read_text(), 300))
+    pid = int(wait_for(lambda: hold.is_file() and hold.read_text(), 300, driver=d))
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     assert d.wait(60) != 0
@@ -179,7 +188,7 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
         found = re.search(r"\[rlpipe worker optimize\.1\] pid (\d+):", log.read_text()) if log.is_file() else None
         return int(found.group(1)) if found else None
 
-    os.kill(wait_for(rank_1, 300, poll=0.01), signal.SIGKILL)
+    os.kill(wait_for(rank_1, 300, poll=0.01, driver=d), signal.SIGKILL)
     killed = time.monotonic()
     assert d.wait(90) != 0
     assert time.monotonic() - killed < 30, "the failure took too long to surface"
@@ -188,7 +197,7 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
 
     # 4. the driver SIGKILLed between work orders: its workers see it gone and leave
     d = Driver(root, preset)
-    wait_for((run_dir / "iter_0001" / "policy" / "_manifest.json").is_file, 300, poll=0.01)
+    wait_for((run_dir / "iter_0001" / "policy" / "_manifest.json").is_file, 300, poll=0.01, driver=d)
     assert worker_pids(run_dir), "the resident workers should be running"
     d.proc.kill()
     d.wait(10)
@@ -197,7 +206,7 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     # 5. Ctrl-C: the driver stops its groups and exits 130
     d = Driver(root, preset)
     wait_for(lambda: any("[rlpipe worker rollout.0]" in p.read_text() for p in run_dir.glob("logs/iter_0002/rollout.0.log")),
-             300, poll=0.01)
+             300, poll=0.01, driver=d)
     d.proc.send_signal(signal.SIGINT)
     assert d.wait(60) == 130, d.output
     _no_workers_within(run_dir, 15)

@@ -59,6 +59,10 @@ POINTS = [
     KillPoint("policy checkpoint save (files written, no manifest)",
               pause="rlpipe.stages.optimize.run:commit_directory@1", before=("iter_0000/policy",)),
     KillPoint("boundary optimize | evaluate", after=("iter_0000/policy",), before=("iter_0000/eval",)),
+    # The train state is written in a background thread after the policy: the kill lands while
+    # that thread is inside DeepSpeed's save (the main thread has moved on to the evaluation).
+    KillPoint("during the background train-state save (policy complete)",
+              pause="rlpipe.stages.optimize.state:save_engines@1", before=("iter_0000/train_state",)),
     # A pause, not a poll: once its scores are written the evaluation's own metrics follow within
     # milliseconds, so a poll can land after them on a loaded machine. In this segment the initial
     # evaluation is a cache hit, so the first metrics write is iteration 0's.
