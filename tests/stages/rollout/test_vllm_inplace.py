@@ -79,13 +79,16 @@ def _run_vllm(steps: list[str], out: Path) -> dict:
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory, tiny_tokenizer):
     """'demo' size (head_dim 32, which vLLM's CPU attention supports); a and b differ only in
-    their init seed, c is another architecture."""
+    their init seed, c is another architecture. b is sharded (optimize.max_shard_size): three
+    safetensors files plus model.safetensors.index.json, read by a fresh engine and in place."""
     from rlpipe.stages.common.tiny import build_model, save_pretrained
 
     root = tmp_path_factory.mktemp("vllm_policies")
-    return {name: save_pretrained(build_model(tiny_tokenizer, "causal", size=size, seed=seed), tiny_tokenizer,
-                                  root / name)
-            for name, size, seed in (("a", "demo", 0), ("b", "demo", 1), ("c", "micro", 0))}
+    out = {name: save_pretrained(build_model(tiny_tokenizer, "causal", size=size, seed=seed), tiny_tokenizer,
+                                 root / name, max_shard_size=shard)
+           for name, size, seed, shard in (("a", "demo", 0, "5GB"), ("b", "demo", 1, "1MB"), ("c", "micro", 0, "5GB"))}
+    assert len(list(out["b"].glob("model-*.safetensors"))) >= 2 and (out["b"] / "model.safetensors.index.json").is_file()
+    return out
 
 
 @pytest.fixture(scope="module")
