@@ -95,13 +95,13 @@ def test_resident_groups_reproduce_the_in_process_run_and_start_once(tmp_path, l
 
 # -- faults ---------------------------------------------------------------------------------------
 #: LAUNCHED with a `python` reward component that can hold a worker (tests/resident_hooks.py),
-#: rollout and score on 2 resident workers each, optimize on 2 ranks.
+#: rollout on a resident worker, score on 2, optimize on 2 ranks.
 FAULTS = {
     **LAUNCHED,
     "eval_every": 0,
     "score": {"components": [*LAUNCHED["score"]["components"],
                              {"name": "parity", "type": "python", "function": "resident_hooks:parity"}]},
-    "launch": {"launcher": "processes", "rollout": {"workers": 2}, "score": {"workers": 2},
+    "launch": {"launcher": "processes", "rollout": {"workers": 1}, "score": {"workers": 2},
                "optimize": {"ranks_per_node": 2}},
 }
 
@@ -205,7 +205,7 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
 
     # 5. Ctrl-C: the driver stops its groups and exits 130
     d = Driver(root, preset)
-    wait_for(lambda: any("[rlpipe worker rollout.0]" in p.read_text() for p in run_dir.glob("logs/iter_0002/rollout.0.log")),
+    wait_for(lambda: any("[rlpipe worker rollout.0]" in p.read_text() for p in run_dir.glob("logs/iter_0002/rollout.log")),
              300, poll=0.01, driver=d)
     d.proc.send_signal(signal.SIGINT)
     assert d.wait(60) == 130, d.output
