@@ -25,6 +25,7 @@ from rlpipe.flows.settings import configure
 configure()
 
 import re  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -96,12 +97,15 @@ class FlowStages:
         self.results: list[Manifest] = []
         self.progress = create_progress_artifact(0.0, key=artifact_key(f"{run}-progress"),
                                                  description=f"rlpipe {run}: set-up")
+        # An asynchronous run calls optimize from a second thread (pipelines/schedule.py).
+        self._lock = threading.Lock()
 
     def __call__(self, call: StageCall) -> Manifest:
         name, config = call.name, call.config
         outputs = list(config.outputs().values())
         inputs = set(_paths(config.model_dump())) - set(outputs)
-        upstream = [self.written_by[p] for p in sorted(inputs) if p in self.written_by]
+        with self._lock:
+            upstream = [self.written_by[p] for p in sorted(inputs) if p in self.written_by]
         # e.g. "score[iter_0003]", "sft[models]": where in the run the stage writes.
         task_name = f"{name}[{outputs[0].parent.name}]" if outputs else name
         # The call quoted: Prefect would otherwise link any object in it that an earlier task
@@ -111,6 +115,12 @@ class FlowStages:
         state = stage_task.with_options(name=task_name, retries=get_stage(name).retries, retry_delay_seconds=2)(
             quote(call), quote(self.launcher), wait_for=upstream, return_state=True)
         manifest = state.result()  # raises the stage's error when it failed
+        with self._lock:
+            self._record(name, task_name, state, manifest, outputs)
+        return manifest
+
+    def _record(self, name: str, task_name: str, state: State, manifest: Manifest, outputs: list[Path]) -> None:
+        """The finished task's outputs, for the tasks that read them; the progress artifact."""
         self.results.append(manifest)
         # wait_for gets the state without the manifest: Prefect walks into what wait_for holds and
         # takes any object another task returned for a dependency on that task, and manifests
@@ -123,7 +133,6 @@ class FlowStages:
             done = (k + (self.stages.index(name) + 1) / len(self.stages)) / self.iterations
             update_progress_artifact(self.progress, progress=100.0 * done,
                                      description=f"iteration {shown_iteration(k)}/{self.iterations}: {name} done")
-        return manifest
 
 
 def _paths(value: object):

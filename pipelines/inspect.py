@@ -39,6 +39,7 @@ from rlpipe.schemas import (
     read_manifest,
     scan_artifact,
 )
+from rlpipe.schemas.pruning import PRUNED_NAME
 from rlpipe.schemas.runs import iteration_dirs, iteration_index
 
 MAX_CELL = 48  # characters of text shown per sample cell
@@ -243,18 +244,20 @@ def run_summary(run_dir: Path, metrics: Sequence[str] = ()) -> pl.DataFrame:
     """One row per iteration of a run with whatever its artifacts hold.
 
     Columns (those that can be computed): iteration (shown number, see `report.shown_iteration`),
-    artifacts (complete ones; unfinished ones, without a manifest, marked '!'), wall_s (sum of
+    artifacts (complete ones; unfinished ones, without a manifest, marked '!'; pruned ones by the
+    run's `keep`, marked '-'), wall_s (sum of
     the stage times `report.stage_seconds`), rollouts, groups, then the summary of
     `report.iteration_metrics`, then each metric of `metrics` as `report.step_metrics` gives it.
     """
     run_dir = Path(run_dir)
     rows = []
     for k, d in iteration_dirs(run_dir):
-        complete, incomplete = [], []
+        complete, pruned, incomplete = [], [], []
         for art in sorted(p for p in d.iterdir() if p.is_dir() and p.name not in NOT_ARTIFACTS):
-            (complete if (art / MANIFEST_NAME).is_file() else incomplete).append(art.name)
+            (complete if (art / MANIFEST_NAME).is_file() else pruned if (art / PRUNED_NAME).is_file()
+             else incomplete).append(art.name)
         row: dict[str, Any] = {"iteration": shown_iteration(k),
-                               "artifacts": " ".join(complete + [f"{n}!" for n in incomplete]),
+                               "artifacts": " ".join(complete + [f"{n}-" for n in pruned] + [f"{n}!" for n in incomplete]),
                                "wall_s": sum(stage_seconds(d).values())}
         if exists(d / "rollouts"):
             counts = scan_artifact(d / "rollouts").select(pl.len(), pl.col("group_id").n_unique()).collect()

@@ -29,6 +29,9 @@ from rlpipe.stages import get_stage
 from rlpipe.stages.import_data.config import ONLY_FOR
 from rlpipe.stages.import_data.sources import is_data_file
 
+#: optimize.tis_cap of an asynchronous run (`async.staleness` >= 1) whose preset sets none.
+ASYNC_TIS_CAP = 2.0
+
 #: data.<field> -> the run's data/<name> a data file named there is imported into.
 IMPORTED = {"prompts": "prompts_train", "eval_prompts": "prompts_eval", "preferences": "preferences"}
 
@@ -124,11 +127,23 @@ class Plan:
     def reference_model(self) -> Path | None:
         return self.start_policy() if self.preset.model.reference else None
 
+    @property
+    def staleness(self) -> int:
+        """S of `async: {staleness: S}` (0: synchronous)."""
+        return self.preset.asynchronous.staleness
+
     def policy(self, k: int) -> Path:
-        """The policy iteration k samples with and optimises."""
+        """The policy iteration k optimises: optimize k-1's (the starting policy for k = 0)."""
         return self.layout.stage(k - 1, "policy") if k > 0 else self.start_policy()
 
+    def sampler(self, k: int) -> Path:
+        """The policy iteration k's rollout samples from: optimize k-1-S's (`async`; S = 0: the
+        one it optimises)."""
+        return self.policy(k - self.staleness) if k >= self.staleness else self.start_policy()
+
     def critic(self, k: int) -> Path | None:
+        """The critic iteration k trains (optimize k-1's); its values at sampling time come from
+        `critic(k - S)`, of the sampling policy's iteration."""
         if not self.preset.model.critic:
             return None
         return self.layout.stage(k - 1, "critic") if k > 0 else self.layout.model("critic")
@@ -179,7 +194,8 @@ class Plan:
         if p.model.reference or p.model.critic:
             reference = L.stage(k, "reference")
             calls.append(self.call("reference", cfgs, rollouts=rollouts, output=reference,
-                                   reference_model=self.reference_model(), critic=self.critic(k)))
+                                   reference_model=self.reference_model(),
+                                   critic=self.critic(max(0, k - self.staleness))))
         joined = {"rollouts": rollouts, "reference": reference} if reference is not None else {}
         calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined,
                                **self._adaptive_kl(k)))
@@ -192,6 +208,11 @@ class Plan:
         # state_every-th iteration, (k + 1) % N == 0, and by the last one; iteration k continues from
         # the last saved one, j = N floor(k / N) - 1, and the optimize runs of j+1..k-1 (`replay`,
         # rerun from their artifacts unless the engine is still warm in this process).
+        knobs = p.optimize or {}
+        if self.staleness and "tis_cap" not in knobs and knobs.get("recompute_old_logprobs", True):
+            # Stale samples: weight each token by min(pi_old / pi_behaviour, C) against the
+            # engine's log-probs (docs/algorithms.md#async); the preset may set its own cap or null.
+            optimize["tis_cap"] = ASYNC_TIS_CAP
         n = self.call("optimize", cfgs, **optimize).config.state_every
         saved = n * (k // n) - 1
         calls.append(self.call("optimize", cfgs, **optimize,
@@ -210,8 +231,10 @@ class Plan:
         p, L = self.preset, self.layout
 
         def call(offset: int) -> StageCall:
-            return self.call("rollout", cfgs, checkpoint=self.policy(k), prompts=train, output=rollouts, run=L.name,
-                             iteration=k, policy_version=k, num_prompts=p.prompts_per_iteration, prompt_offset=offset)
+            # policy_version: how many optimize runs the sampling policy has had (k - S: stale by S)
+            return self.call("rollout", cfgs, checkpoint=self.sampler(k), prompts=train, output=rollouts, run=L.name,
+                             iteration=k, policy_version=max(0, k - self.staleness),
+                             num_prompts=p.prompts_per_iteration, prompt_offset=offset)
 
         first = call(0)
         if first.config.oversample != 1.0 and p.filter is None:

@@ -61,8 +61,23 @@ class ModelSpec(_Spec):
     """Train a critic (PPO): initialised from the starting policy's backbone with a value head."""
 
 
+class AsyncSpec(_Spec):
+    """Asynchronous iterations: rollout runs ahead of optimisation by a fixed number of policies."""
+
+    staleness: int = Field(0, ge=0)
+    """S: rollout k samples from the policy optimize k-1-S wrote (the starting policy while there
+    is none), so rollouts k+1..k+S (and their scores and advantages) can run while optimize k
+    trains. Fixed by S, not by timing: the same seed and S give the same artifacts wherever the
+    stages run. Optimize corrects for the stale behaviour policy with truncated importance
+    sampling against the engine's log-probs (`optimize.tis_cap`, 2.0 unless set; docs/algorithms.md#async).
+    0: synchronous (rollout k samples from optimize k-1's policy)."""
+
+
 class Preset(_Spec):
     """A whole pipeline: data, models, the knobs of each stage, and how many iterations."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     """Preset name; also the default run name (runs/<name>/)."""
@@ -114,6 +129,8 @@ class Preset(_Spec):
     launch: Launch = Launch()
     """Where stages run: the launcher and per-stage processes, nodes and GPUs
     (`rlpipe.cluster.placement`); never changes the artifacts."""
+    asynchronous: AsyncSpec = Field(AsyncSpec(), alias="async")
+    """`async: {staleness: S}`: rollout S policies ahead of optimisation (see AsyncSpec)."""
     keep: Keep = Keep()
     """Which checkpoints and train states stay on disk (`rlpipe.pipelines.keep`): the last 2 train
     states, the policy of every 10th iteration, the last and the best evaluation; never changes

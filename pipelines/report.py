@@ -44,6 +44,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_accuracy": ("eval acc", "held-out accuracy"),
     "response_length": ("resp len", "response length (tokens)"),
     "truncated_fraction": ("trunc", "truncated fraction"),
+    "staleness": ("stale", "policies between sampling and training (async)"),
+    "logprob_gap_mean_abs": ("lp gap", "|trainer - rollout engine| log-prob"),
     "loss": ("loss", "loss"),
     "kl_ref": ("kl ref", "KL to reference"),
     "approx_kl": ("kl old", "approx KL to rollout policy"),
@@ -109,13 +111,19 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
         if ACCURACY_COMPONENT in s.columns:
             out["accuracy"] = float(s[ACCURACY_COMPONENT].mean())
     if exists(it / "rollouts"):
-        r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=["response_token_ids", "finish_reason"]))
+        r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=["response_token_ids", "finish_reason",
+                                                                       "iteration", "policy_version"]))
         if r.height:
             out["response_length"] = float(r["response_token_ids"].list.len().mean())
             out["truncated_fraction"] = float((r["finish_reason"] == "length").mean())
+            stale = int((r["iteration"] - r["policy_version"]).max())
+            if stale:  # asynchronous runs: the sampling policy is this many optimize runs behind
+                out["staleness"] = float(stale)
     if exists(it / "metrics"):
         steps = step_metrics(it / "metrics")
         out.update({n: steps[n] for n in (*OPTIMIZER_METRICS, "optimizer_steps") if n in steps})
+        if "logprob_gap_mean_abs" in steps and "staleness" in out:  # (shows the staleness's effect)
+            out["logprob_gap_mean_abs"] = steps["logprob_gap_mean_abs"]
     if exists(it / "eval"):
         for name, value in eval_metrics(it / "eval").items():
             out[f"eval_{name}"] = value

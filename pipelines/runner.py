@@ -73,15 +73,14 @@ class Pipeline:
         self.on_iteration = on_iteration
         self.log = log
         self.records: list[IterationRecord] = []
-        self._seconds: dict[str, float] = {}
 
-    def execute(self, call: StageCall) -> Manifest:
+    def execute(self, call: StageCall, seconds: dict[str, float]) -> Manifest:
         """Save the call's config as YAML (so the stage can be rerun alone: `rlpipe stage <name> -c
-        <that file>`) and run it through `call`, timing it."""
+        <that file>`) and run it through `call`, adding its time to `seconds`."""
         write_if_changed(call.config_file, yaml.safe_dump(_relative_paths(call.config, call.config_dir), sort_keys=False).encode())
         started = time.perf_counter()
         manifest = self.call(call)
-        self._seconds[call.name] = self._seconds.get(call.name, 0.0) + time.perf_counter() - started
+        seconds[call.name] = seconds.get(call.name, 0.0) + time.perf_counter() - started
         return manifest
 
     def run(self) -> list[IterationRecord]:
@@ -103,32 +102,53 @@ class Pipeline:
         self.plan.check_inputs()
         self._start_run_dir()
         # Metric sinks + the report after every iteration (neither on a read-only run directory).
-        monitor = RunMonitor(p, L.root, enabled=writable)
+        self._monitor, self._writable = RunMonitor(p, L.root, enabled=writable), writable
+        setup: dict[str, float] = {}
         for call in self.plan.setup():
-            self.execute(call)
-        self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(self._seconds)})")
-        for k in range(p.iterations):
-            self._seconds = {}
-            started = time.perf_counter()
-            for call in self.plan.iteration(k):
-                self.execute(call)
-            record = self._record(k, time.perf_counter() - started)
-            self.records.append(record)
-            self.log(self._line(record))
-            monitor.on_iteration(record)
-            if self.on_iteration is not None:
-                self.on_iteration(record)
-            if writable:  # what `keep` no longer keeps goes once the iteration is complete
-                prune_run(L.root, p.keep, log=self.log)
+            self.execute(call, setup)
+        self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(setup)})")
+        self._last_done = time.perf_counter()
+        if self.overlaps:
+            from rlpipe.pipelines.schedule import run_overlapped
+
+            run_overlapped(self)
+        else:
+            for k in range(p.iterations):
+                seconds: dict[str, float] = {}
+                for call in self.plan.iteration(k):
+                    self.execute(call, seconds)
+                self.finish(k, seconds)
         # What is still being written (train states, in this process or in resident workers) is
         # complete before the run ends; then the last prune counts it.
         wait_for_background()
         self.launcher.close(wait=True)
         if writable:
-            prune_run(L.root, p.keep, log=self.log)
+            prune_run(L.root, p.keep, staleness=self.plan.staleness, log=self.log)
+        monitor = self._monitor
         monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the iterations overlap: rollout k+1..k+S (with their score and advantage) while
+        optimize k trains (`async.staleness` S >= 1), which needs optimize in processes of its
+        own (a placement); in one process the stages run in order. Either way S fixes what is
+        computed, so both give the same artifacts."""
+        return self.plan.staleness > 0 and self.preset.launch.placement("optimize") is not None
+
+    def finish(self, k: int, seconds: dict[str, float]) -> None:
+        """Iteration k is complete: its record and line, the report and sinks, and the prune."""
+        now = time.perf_counter()
+        seconds["total"], self._last_done = now - self._last_done, now
+        record = IterationRecord(k, seconds, self._iteration_metrics(k))
+        self.records.append(record)
+        self.log(self._line(record))
+        self._monitor.on_iteration(record)
+        if self.on_iteration is not None:
+            self.on_iteration(record)
+        if self._writable:  # what `keep` no longer keeps goes once the iteration is complete
+            prune_run(self.layout.root, self.preset.keep, staleness=self.plan.staleness, log=self.log)
 
     def _start_run_dir(self) -> None:
         L = self.layout
@@ -148,12 +168,10 @@ class Pipeline:
         write_if_changed(L.preset_file, yaml.safe_dump(preset, sort_keys=False).encode())
 
     # -- what the user sees ----------------------------------------------------------------
-    def _record(self, k: int, total: float) -> IterationRecord:
+    def _iteration_metrics(self, k: int) -> dict[str, float]:
         from rlpipe.pipelines.report import iteration_metrics
 
-        seconds = dict(self._seconds)
-        seconds["total"] = total
-        return IterationRecord(k, seconds, iteration_metrics(self.layout.root, k))
+        return iteration_metrics(self.layout.root, k)
 
     def _line(self, r: IterationRecord) -> str:
         m = r.metrics

@@ -93,13 +93,17 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
                 advance(len(ids))
             files.append(writer.write_shard(pa.table(rows), index=k))
 
+    # Which policy sampled (its checkpoint and content hash are the `checkpoint` input): after how many
+    # optimize runs, and how many iterations behind the one these rollouts train (async staleness).
+    sampled_by = {"policy_version": config.policy_version, "staleness": config.iteration - config.policy_version}
     timing = {"generate_s": round(gen_s, 3), "generated_tokens": n_tokens,
               "tokens_per_s": round(n_tokens / gen_s, 1) if gen_s else None,
               "engine_start_s": round(engine.start_s, 3), "model_load": engine.model_load}
     if config.worker_index is None:
-        return writer.commit(extra=_summary(writer.staging, writer) | {"timing": timing},
+        return writer.commit(extra=_summary(writer.staging, writer) | {"timing": timing, "sampled_by": sampled_by},
                              wall_time_s=time.time() - started)
-    extra = {"worker_index": config.worker_index, "worker_count": config.worker_count, "timing": timing}
+    extra = {"worker_index": config.worker_index, "worker_count": config.worker_count, "timing": timing,
+             "sampled_by": sampled_by}
     return writer.finish_worker(
         config.worker_index, config.worker_count, expected=[shard_name(k) for k in range(len(shards))],
         commit=lambda: writer.commit(extra=_summary(writer.staging, writer) | extra,
