@@ -7,6 +7,7 @@ Variants (all on the demo's task, model, SFT warm start, rollouts and reward):
     grpo      the `demo` preset (GRPO advantages, PPO-clip, AdamW)
     grpo_ds   `demo` + dynamic sampling (filter: drop all-equal groups; rollout.oversample 2)
     trpo      the `demo_trpo` preset (GRPO advantages, one TRPO step per iteration)
+    grpo_s1   `demo` + async.staleness 1 (rollout k samples from optimize k-2's policy; TIS C = 2)
 
 Per seed, the set-up (task data, base model, SFT, the first evaluation) is run once by the first
 variant and copied into the other variants' run directories, where it is a cache hit (cache keys
@@ -28,6 +29,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("demo", []),
     "grpo_ds": ("demo", ["filter.drop=all_equal", "rollout.oversample=2"]),
     "trpo": ("demo_trpo", []),
+    "grpo_s1": ("demo", ["async.staleness=1"]),
 }
 
 

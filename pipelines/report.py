@@ -132,12 +132,15 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
 
 def stage_seconds(iteration_dir: Path) -> dict[str, float]:
     """seconds_<stage>: wall time of each stage of an iteration, from its artifacts' manifests (a
-    stage writing several artifacts, optimize: policy, critic, metrics, counts once)."""
+    stage writing several artifacts, optimize: policy, critic, metrics, counts once; its train
+    state, written in the background while the next stages run, does not count)."""
     wall: dict[str, float] = {}
     for art in sorted(p for p in iteration_dir.iterdir() if (p / MANIFEST_NAME).is_file()):
         try:
             m = read_manifest(art)
         except ArtifactError:
+            continue
+        if m.extra.get("kind") == "train_state":
             continue
         wall[f"seconds_{m.stage}"] = max(wall.get(f"seconds_{m.stage}", 0.0), m.wall_time_s)
     return wall
