@@ -49,9 +49,11 @@ chromium:
 	test -x /usr/bin/chromium || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update && \
 	  DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y --no-install-recommends chromium; }
 
-## demo: the built-in demo (a tiny model learns arithmetic with SFT + GRPO; a few minutes on CPU)
+## demo: the built-in demo (a tiny model learns arithmetic with SFT + GRPO; a few minutes on CPU).
+## One torch thread: summation order, and so the learning curve, depend on the thread count; the
+## README's figures are the one-thread run's.
 demo: setup
-	$(VENV)/bin/rlpipe run
+	OMP_NUM_THREADS=1 $(VENV)/bin/rlpipe run
 
 ## dev: force a reinstall (after adding a package folder)
 dev:

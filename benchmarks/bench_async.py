@@ -8,13 +8,14 @@ optimize k trains).
 The demo job (16 prompts x 8 samples, GRPO, exact-match reward) from a random Llama of each size
 built locally (`base_model.size`; no SFT, so responses run to `rollout.max_new_tokens`), with the
 default `keep`; rollout on 1 worker and optimize on 1 rank, one torch thread each (the driver
-too), so that the two can run side by side on two cores. `--max-new-tokens` (24 by default) sets
+too), so that the two can run side by side on two cores. `--max-new-tokens` (32 by default) sets
 the rollout's share: a random model never stops early, so generation costs what the decode steps
 cost. S = 0 and S = 1 runs alternate (`--repeats` times each, the order reversed every other
-time). Printed per size: seconds per iteration of each (the median of the intervals between
-iteration ends, leaving out the first S + 2, whose rollouts start the workers or wait, and the
-last, which evaluates), their ratio, and the rollout and optimize seconds of a steady iteration
-(the overlap can at best hide the shorter one). With `--json FILE`:
+time). Printed per size: seconds per iteration of each (the steady stretch's time over its
+iterations: from the end of iteration S+1, after the workers started, to the end of the one
+before last, which evaluates; a mean, as iterations of an overlapped run end in uneven bunches),
+their ratio, and the medians of the rollout and optimize seconds of the synchronous runs (the
+overlap can at best hide the shorter one). With `--json FILE`:
 `{"<size>": {"sync_s": ..., "async_s": ..., "speedup": ..., "rollout_s": ..., "optimize_s": ...}}`.
 """
 
@@ -54,7 +55,7 @@ def main() -> int:
     p.add_argument("--sizes", nargs="+", default=["demo", "20m"])
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", type=Path)
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--child", nargs=3, metavar=("SIZE", "STALENESS", "RUN_DIR"), help=argparse.SUPPRESS)
@@ -96,12 +97,16 @@ def main() -> int:
 
 
 def summarise(runs: dict[int, list[dict]]) -> dict[str, float]:
-    def steady(s: int, key: str) -> float:
-        return statistics.median(it[key] for run in runs[s] for it in run["iterations"][s + 2:-1])
+    def per_iteration(s: int) -> float:  # (intervals between iteration ends: they telescope)
+        spans = [it["total"] for run in runs[s] for it in run["iterations"][s + 2:-1]]
+        return sum(spans) / len(spans)
 
-    sync, asyn = steady(0, "total"), steady(1, "total")
-    return {"sync_s": sync, "async_s": asyn, "speedup": sync / asyn,
-            "rollout_s": steady(0, "rollout"), "optimize_s": steady(0, "optimize")}
+    def median(key: str) -> float:
+        return statistics.median(it[key] for run in runs[0] for it in run["iterations"][2:-1])
+
+    sync, asyn = per_iteration(0), per_iteration(1)
+    return {"sync_s": sync, "async_s": asyn, "speedup": sync / asyn, "rollout_s": median("rollout"),
+            "optimize_s": median("optimize")}
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ split of a steady iteration, and the bytes written per iteration (the iteration'
   save         optimize writing its metrics and policy checkpoint (and the train state when it is
                not written in the background, `optimize.background_state_save`)
   other        the rest: writing rollouts and scores, manifests, the driver's records and report
-It also prints optimize's wall time (the stage's critical path), the train-state save's own
-seconds (in the background by default: overlapping the next iteration), and the run's disk
-footprint after its N iterations.
+It also prints the seconds of the optimize call (what the iteration waits for: the train-state
+save included when it is not in the background), the train-state save's own seconds (in the
+background by default: overlapping the next iteration), and the run's disk footprint after its
+N iterations.
 With `--json FILE` it writes `{"<size>": {"<launcher>": {"s_per_iteration": ..., "bytes_per_iteration":
 ..., "first_iteration_s": ..., "footprint_bytes": ..., "optimize_s": ..., "state_save_s": ..., "split": {...}}}}`.
 """
@@ -104,7 +105,7 @@ def summarise(runs: list[dict]) -> dict:
             "first_iteration_s": statistics.median(run["iterations"][0]["seconds"]["total"] for run in runs),
             "bytes_per_iteration": med(lambda it: it["bytes"]),
             "split": {k: med(lambda it, k=k: split(it)[k]) for k in ("compute", "start_load", "save", "other")},
-            "optimize_s": med(lambda it: it["optimize"]["wall"]),
+            "optimize_s": med(lambda it: it["seconds"]["optimize"]),
             "state_save_s": med(lambda it: it["state_save_s"] or 0.0),
             "footprint_bytes": statistics.median(run["footprint_bytes"] for run in runs),
             "rollout_model_load": sorted({it["rollout"].get("model_load") for run in runs

@@ -47,6 +47,7 @@ from rlpipe.cluster.launch import LOOPBACK, free_port, local_env, stage_command,
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas import Manifest
+from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.runs import iteration_index
 from rlpipe.stages import get_stage
 
@@ -59,16 +60,28 @@ LOG_TAIL_LINES = 40
 
 class StageLaunchError(RuntimeError):
     """A launched stage failed: its exit code and the tail of its log. Not a UserError: a crashed
-    worker can be transient, so Prefect retries it as configured in the stage registry."""
+    worker can be transient, so Prefect retries it as configured in the stage registry. Exit code
+    2, the stage's own report of a user error, makes it a `StageUserError`: not retried, shown as
+    one `error:` paragraph."""
+
+    def __new__(cls, stage: str, exit_code: int | None, log: Path, detail: str = ""):
+        return super().__new__(StageUserError if cls is StageLaunchError and exit_code == 2 else cls)
 
     def __init__(self, stage: str, exit_code: int | None, log: Path, detail: str = ""):
-        self.stage, self.exit_code, self.log = stage, exit_code, log
+        self.stage, self.exit_code, self.log, self.detail = stage, exit_code, log, detail
         how = f"exit code {exit_code}" if exit_code is not None else detail
         tail = log_tail(log)
         cause = _last_error(log)
         cause = f"\n{cause}" if cause and cause not in tail else ""
         super().__init__(f"stage {stage} failed ({how}){cause}\nlast lines of {log}:\n{tail}"
                          if tail else f"stage {stage} failed ({how}); no output in {log}")
+
+    def __reduce__(self):  # (pickled as it was made: the message is built from these)
+        return StageLaunchError, (self.stage, self.exit_code, self.log, self.detail)
+
+
+class StageUserError(StageLaunchError, UserError):
+    """A launched stage stopped on a user error (exit code 2: its `error:` line is in the log's tail)."""
 
 
 class Launcher(Protocol):

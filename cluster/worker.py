@@ -64,8 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--members", type=int, help="the group's size (default: the launch's world size)")
     a = p.parse_args(argv)
     from rlpipe.stages.common.background import allow_background
+    from rlpipe.stages.common.cli import own_cache_dirs
     from rlpipe.stages.common.models import keep_saved_checkpoints
 
+    own_cache_dirs()
     keep_saved_checkpoints(False)  # this process serves one stage: no later stage reads its checkpoints
     allow_background()  # a train state is written while the run goes on; waited for at the next order, or the stop
     group = GroupDir(a.group.absolute())

@@ -43,6 +43,14 @@ def _fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _failed(e: Exception, debug: bool) -> typer.Exit:
+    """The exit of a command that failed with `e` (stages.common.cli.report_failure: a user or
+    machine problem in one `error:` paragraph, a bug with its traceback)."""
+    from rlpipe.stages.common.cli import report_failure
+
+    return typer.Exit(report_failure(e, debug, lambda message: _fail(message, 0)))
+
+
 @app.command()
 def schema(
     name: Annotated[str | None, typer.Argument(help="Schema name; omit to list all schemas.")] = None,
@@ -167,7 +175,6 @@ def run(
     Rerunning the same command resumes: finished stages are skipped by their cache keys.
     """
     from rlpipe.pipelines.preset import load_preset
-    from rlpipe.schemas.errors import UserError
     from rlpipe.schemas.staging import discard_open_staging
     from rlpipe.stages.common.interrupt import exit_on_signals
 
@@ -183,11 +190,9 @@ def run(
                 from rlpipe.flows.run_flow import run_flow
 
                 run_flow(spec, str(run_dir) if run_dir else None)
-        except BaseException as e:
+        except Exception as e:
             discard_open_staging()  # nothing partial stays behind
-            if not isinstance(e, UserError) or debug:
-                raise
-            raise _fail(str(e), 2) from None
+            raise _failed(e, debug) from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -223,10 +228,8 @@ def prune(
             if not writable and not dry_run:
                 raise UserError(f"{run_dir} is not writable: nothing can be pruned (try --dry-run)")
             freed = prune_run(run_dir, keep, dry_run=dry_run, log=lambda line: console.print(line, markup=False))
-    except UserError as e:
-        if debug:
-            raise
-        raise _fail(str(e), 2) from None
+    except Exception as e:
+        raise _failed(e, debug) from None
     console.print(f"{'would free' if dry_run else 'freed'} {freed / 1e6:.1f} MB in {run_dir}", markup=False)
 
 
@@ -372,6 +375,9 @@ def _quiet_libraries() -> None:
 
 def main() -> None:
     """Entry point of the installed `rlpipe` script."""
+    from rlpipe.stages.common.cli import own_cache_dirs
+
+    own_cache_dirs()  # (before any library makes its cache in the temporary directory)
     app()
 
 

@@ -4,6 +4,7 @@ nothing that looks complete. Also the SHA-256 of a file, as recorded in manifest
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -20,14 +21,20 @@ def temp_path_for(path: Path) -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes | pa.Buffer, *, fsync: bool = False) -> None:
-    """Write `data` to `path` via a temporary file and a rename (atomic on POSIX)."""
+    """Write `data` to `path` via a temporary file and a rename (atomic on POSIX). A failure
+    (a full disk, a read-only mount) names `path`, not the temporary file, and removes that."""
     tmp = temp_path_for(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def write_if_changed(path: Path, data: bytes) -> None:

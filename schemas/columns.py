@@ -28,6 +28,9 @@ class Column:
     type: pa.DataType
     doc: str
     nullable: bool = False
+    since: int = 1
+    """The schema version that added the column: shards of an earlier version lack it, and a
+    nullable one reads as null there (schemas/shards.py)."""
 
     def field(self) -> pa.Field:
         return pa.field(self.name, self.type, nullable=self.nullable, metadata={DOC_KEY: self.doc})
@@ -98,6 +101,10 @@ class ArtifactSchema:
             fields,
             metadata={SCHEMA_NAME_KEY: self.name.encode(), SCHEMA_VERSION_KEY: str(self.version).encode()},
         )
+
+    def added_after(self, version: int) -> list[Column]:
+        """The columns a shard written under `version` lacks (added by a later version)."""
+        return [c for c in self.columns if c.since > version]
 
     def family_columns(self, names: list[str]) -> list[str]:
         """The names among `names` that belong to a column family of this schema."""

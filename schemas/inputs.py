@@ -31,6 +31,10 @@ def input_problem(path: Path | str, kind: str) -> str | None:
             return f"{path} is not a Hugging Face checkpoint (no config.json): pass a directory saved with save_pretrained"
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             return f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model"
+        for file in sorted(path.glob("*.json")):
+            problem = json_problem(file)
+            if problem:
+                return problem
         for weights in sorted(path.glob("*.safetensors")):
             problem = safetensors_problem(weights)
             if problem:
@@ -52,6 +56,27 @@ def input_problem(path: Path | str, kind: str) -> str | None:
         return f"{path} is a checkpoint, but a {kind!r} artifact is expected here"
     if data.get("schema_name") != kind:
         return f"{path} holds {data.get('schema_name')!r} rows, but a {kind!r} artifact is expected here"
+    return None
+
+
+#: (device, inode) -> (size, mtime_ns) of JSON files found well-formed by this process.
+_GOOD_JSON: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def json_problem(file: Path) -> str | None:
+    """Why a checkpoint's JSON file (config, tokenizer, generation config, index) cannot be read:
+    not UTF-8, or not JSON; None if it parses. Parsed once per state of the file."""
+    try:
+        st = file.stat()
+        if _GOOD_JSON.get((st.st_dev, st.st_ino)) == (st.st_size, st.st_mtime_ns):
+            return None
+        json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        return f"{file} cannot be read ({e.strerror or e}): check its permissions, or copy the checkpoint again"
+    except (UnicodeDecodeError, ValueError) as e:
+        return (f"{file} is not valid JSON ({e}): the checkpoint is damaged or was cut short; save it again "
+                "(save_pretrained) or restore the file")
+    _GOOD_JSON[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns)
     return None
 
 

@@ -51,6 +51,7 @@ PROMPTS = ArtifactSchema(
             "where the policy answers; the rollout stage applies the tokenizer's chat template to "
             "them. Null: a plain-text prompt (`prompt`).",
             nullable=True,
+            since=2,
         ),
     ),
     key=("prompt_id",),

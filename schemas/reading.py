@@ -14,7 +14,13 @@ from rlpipe.schemas.atomic import sha256_file
 from rlpipe.schemas.columns import ArtifactSchema
 from rlpipe.schemas.errors import ArtifactError, ArtifactNotFound, SchemaMismatch
 from rlpipe.schemas.manifest import MANIFEST_NAME, FileInfo, Manifest, content_hash
-from rlpipe.schemas.shards import SHARD_GLOB, check_file_schema, read_shard, resolve_schema
+from rlpipe.schemas.shards import (
+    SHARD_GLOB,
+    check_file_schema,
+    missing_nullable,
+    read_shard,
+    resolve_schema,
+)
 from rlpipe.schemas.verify import check_manifest_hash, verify_file
 
 if TYPE_CHECKING:
@@ -151,12 +157,20 @@ def scan_artifact(path: Path | str, schema: ArtifactSchema | str | None = None) 
     path = Path(path)
     manifest = read_manifest(path)
     expected = table_schema(manifest, path, schema)
-    files = []
+    frames = []
     for info in manifest.files:
         if info.rows is not None:
             verify_file(path / info.name, info)
-            check_file_schema(path / info.name, expected)
-            files.append(str(path / info.name))
-    if not files:
+            actual = check_file_schema(path / info.name, expected)
+            frame = pl.scan_parquet(str(path / info.name), glob=False)
+            # a shard of an earlier schema version: the nullable columns added since, as null
+            added = missing_nullable(actual.names, expected)
+            if added:
+                empty = pl.from_arrow(pa.schema([c.field() for c in added]).empty_table()).schema
+                frame = frame.with_columns(pl.lit(None, dtype=t).alias(n) for n, t in empty.items())
+                frame = frame.select([c for c in expected.column_names if c in actual.names or c in empty]
+                                     + [n for n in actual.names if n not in expected.column_names])
+            frames.append(frame)
+    if not frames:
         return pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)
-    return pl.scan_parquet(files, glob=False)
+    return pl.concat(frames, how="vertical") if len(frames) > 1 else frames[0]

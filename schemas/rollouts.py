@@ -104,6 +104,7 @@ ROLLOUTS = ArtifactSchema(
             "The prompt's metadata JSON object copied from the prompts artifact (test cases, choices, "
             "a reference solution, ...), for verifiers and user reward functions; null if none.",
             nullable=True,
+            since=2,
         ),
     ),
     key=("iteration", "group_id", "sample_index"),

@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlpipe.schemas.columns import SCHEMA_NAME_KEY, ArtifactSchema
-from rlpipe.schemas.errors import ArtifactError, IntegrityError, SchemaMismatch
+from rlpipe.schemas.columns import SCHEMA_NAME_KEY, SCHEMA_VERSION_KEY, ArtifactSchema, Column
+from rlpipe.schemas.errors import ArtifactError, IntegrityError, SchemaMismatch, SchemaVersionError
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.verify import known_hash, listed_entry, read_verified
 
@@ -62,15 +62,32 @@ def same_schema(a: pa.Schema | None, b: pa.Schema | None) -> bool:
     return a.names == b.names and all(same_type(x.type, y.type) for x, y in zip(a, b, strict=True))
 
 
+def file_version(actual: pa.Schema, expected: ArtifactSchema) -> int:
+    """The schema version a file declares (files without one: the expected version)."""
+    declared = (actual.metadata or {}).get(SCHEMA_VERSION_KEY)
+    try:
+        return int(declared) if declared is not None else expected.version
+    except ValueError:
+        return expected.version
+
+
 def schema_problems(actual: pa.Schema, expected: ArtifactSchema) -> list[str]:
-    """Column-by-column differences between a file's schema and the expected artifact schema."""
+    """Column-by-column differences between a file's schema and the expected artifact schema.
+
+    A file written under an earlier version of the schema may lack the columns added since: a
+    nullable one is read as null (`read_shard`, `scan_artifact`), a required one is a problem
+    (`SchemaVersionError`). A file of a later version than this rlpipe knows is refused."""
     problems: list[str] = []
     meta = actual.metadata or {}
     declared = meta.get(SCHEMA_NAME_KEY)
     if declared is not None and declared.decode() != expected.name:
         problems.append(f"file declares schema {declared.decode()!r}, expected {expected.name!r}")
+    version = file_version(actual, expected)
     present = {f.name: f for f in actual}
+    readable_as_null = {c.name for c in expected.added_after(version) if c.nullable}
     for col in expected.columns:
+        if col.name not in present and col.name in readable_as_null:
+            continue
         if col.name not in present:
             problems.append(f"missing column {col.name!r} ({col.type})")
         elif not same_type(present[col.name].type, col.type):
@@ -105,15 +122,24 @@ def null_problems(table: pa.Table, expected: ArtifactSchema) -> list[str]:
 
 def check_file_schema(path: Path | str, expected: ArtifactSchema, source: pa.Buffer | None = None) -> pa.Schema:
     """The Arrow schema of a Parquet file (read from `source` when given, else from `path`),
-    checked against `expected`; SchemaMismatch otherwise."""
+    checked against `expected`; SchemaMismatch otherwise (SchemaVersionError when the file is of
+    another version of the schema than this rlpipe can read)."""
     try:
         actual = pq.read_schema(pa.BufferReader(source) if source is not None else path)
     except (pa.ArrowInvalid, OSError) as e:
         raise SchemaMismatch(path, expected.name, [f"not a readable Parquet file ({e})"]) from None
     problems = schema_problems(actual, expected)
     if problems:
+        version = file_version(actual, expected)
+        if version != expected.version:
+            raise SchemaVersionError(path, expected, version, problems)
         raise SchemaMismatch(path, expected.name, problems)
     return actual
+
+
+def missing_nullable(actual_names: Sequence[str], expected: ArtifactSchema) -> list[Column]:
+    """The nullable columns of `expected` a table of an earlier schema version lacks."""
+    return [c for c in expected.columns if c.nullable and c.name not in actual_names]
 
 
 def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None,
@@ -127,18 +153,28 @@ def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence
     info = info if info is not None else listed_entry(path)
     names = list(columns) if columns is not None else None
     if info is None or known_hash(path) == info.sha256:
-        check_file_schema(path, expected)
-        table = pq.read_table(path, columns=names)
+        actual = check_file_schema(path, expected)
+        table = pq.read_table(path, columns=_present(names, actual))
     else:  # one read of the file: hashed, then decoded from memory
         data = pa.py_buffer(read_verified(path, info))
-        check_file_schema(path, expected, source=data)
-        table = pq.read_table(pa.BufferReader(data), columns=names)
+        actual = check_file_schema(path, expected, source=data)
+        table = pq.read_table(pa.BufferReader(data), columns=_present(names, actual))
     if info is not None and info.rows is not None and table.num_rows != info.rows:
         raise IntegrityError(f"{path}: {table.num_rows} rows, its manifest says {info.rows}")
     problems = null_problems(table, expected)
     if problems:
         raise SchemaMismatch(path, expected.name, problems)
+    for col in missing_nullable(table.column_names, expected):  # (an earlier version: read as null)
+        if names is None or col.name in names:
+            table = table.append_column(col.field(), pa.nulls(table.num_rows, col.type))
+    if names is not None:
+        table = table.select(names)
     return _as_declared(table, expected)
+
+
+def _present(names: list[str] | None, actual: pa.Schema) -> list[str] | None:
+    """The requested columns the file has (one of an earlier version may lack some)."""
+    return None if names is None else [n for n in names if n in actual.names]
 
 
 def _as_declared(table: pa.Table, expected: ArtifactSchema) -> pa.Table:

@@ -93,6 +93,21 @@ def discard_open_staging() -> None:
         shutil.rmtree(_OPEN.pop(), ignore_errors=True)
 
 
+#: Free bytes below which a failed write is put down to a full disk.
+NEARLY_FULL = 1 << 20
+
+
+def no_space_left(folder: Path) -> bool:
+    """Whether the filesystem holding `folder` (or its nearest existing parent) is full."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free < NEARLY_FULL
+    except OSError:
+        return False
+
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -170,12 +185,17 @@ def staged_directory(path: Path | str, *, write: bool = True, shared: bool = Fal
     try:
         yield staging
     except BaseException as e:
+        # Libraries word a full disk their own way (torch.save: "[enforce fail at
+        # inline_container.cc] unexpected pos"; safetensors: no file named), so look at the disk.
+        full = no_space_left(path.parent)
         if write:
             shutil.rmtree(staging, ignore_errors=True)
             _OPEN.discard(staging)
-        if isinstance(e, OSError) or "No space left" in str(e):  # safetensors' errors name no file
-            raise ArtifactError(f"{path}: saving the checkpoint failed ({e}); the previous checkpoint, "
-                                "if any, is untouched: free space or choose another output") from e
+        if full or isinstance(e, OSError) or "No space left" in str(e):
+            why = f"no space left on the device holding {path.parent}" if full else "saving the checkpoint failed"
+            raise ArtifactError(f"{path}: {why} ({type(e).__name__}: {e}); the previous checkpoint, if any, is "
+                                "untouched: free space (`rlpipe prune RUN`, a smaller `keep:`) or choose another "
+                                "output, then rerun") from e
         raise
     if write:
         swap_into_place(staging, path)

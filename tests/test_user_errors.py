@@ -196,3 +196,68 @@ def test_unknown_stage_name(tmp_path):
     code, out = script("stage", "scroe", cwd=tmp_path)
     assert code == 2, out
     assert_user_error(out, "unknown stage 'scroe'", "stages: ", "score")
+
+
+# -- problems found only while a stage runs: the same boundary (stages.common.cli.report_failure) --
+def test_corrupt_json_in_a_checkpoint(data, tiny_policy_dir):
+    broken = shutil.copytree(tiny_policy_dir, data / "broken")
+    (broken / "config.json").write_text('{"model_type": "llama", ')  # cut short
+    code, out = script("run", preset(data, broken), "--local", "--run-dir", data / "run", cwd=data)
+    assert code == 2, out
+    assert_user_error(out, "model.base", f"{broken}/config.json is not valid JSON", "save it again")
+    code, out = cli("stage", "rollout", f"checkpoint={broken}", f"prompts={data}/prompts", f"output={data}/r")
+    assert code == 2
+    assert_user_error(out, "checkpoint:", f"{broken}/config.json is not valid JSON")
+    assert not (data / "r").exists()
+
+
+def test_a_prompt_too_long_for_the_model(data, tiny_policy_dir):
+    """Found at run time (the tokens are counted by the rollout stage): still one paragraph, exit 2."""
+    rows = [{"prompt": " ".join(["1+1="] * 200), "answer": "2"}, *PROMPT_ROWS]
+    (data / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = cli("data", "import", data / "long.jsonl", data / "long")
+    assert code == 0, out
+    code, out = script("stage", "rollout", f"checkpoint={tiny_policy_dir}", f"prompts={data}/long",
+                       f"output={data}/r", "max_new_tokens=8", cwd=data)
+    assert code == 2, out
+    assert_user_error(out, "rollout:", f"of {data}/long is too long", "tokens", "context of 256")
+    assert not (data / "r").exists() and not list(data.glob(".r.staging*"))
+
+
+def test_a_prompts_artifact_with_no_rows(data, tiny_policy_dir):
+    write_table_artifact(data / "none", PROMPTS, {c: [] for c in PROMPTS.column_names}, stage="test")
+    code, out = script("stage", "rollout", f"checkpoint={tiny_policy_dir}", f"prompts={data}/none",
+                       f"output={data}/r", cwd=data)
+    assert code == 2, out
+    assert_user_error(out, f"prompts artifact {data}/none has no rows")
+
+
+def test_an_artifact_of_an_old_schema_version(data, tiny_policy_dir):
+    """prompts v1 (before `messages`) still reads; a v1 shard lacking a column v1 could not lack is
+    refused naming both versions and the command that rewrites it."""
+    from dataclasses import replace
+
+    v1 = replace(PROMPTS, version=1, columns=tuple(c for c in PROMPTS.columns if c.name != "messages"))
+    rows = {"prompt_id": ["a", "b"], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"], "metadata": [None, None]}
+    write_table_artifact(data / "v1", v1, rows, stage="import_data")
+    code, out = cli("stage", "rollout", f"checkpoint={tiny_policy_dir}", f"prompts={data}/v1", f"output={data}/r",
+                    "max_new_tokens=2", "group_size=2")
+    assert code == 0, out  # read with messages = null
+    broken = replace(v1, columns=tuple(c for c in v1.columns if c.name != "answer"))
+    write_table_artifact(data / "v1b", broken, {k: v for k, v in rows.items() if k != "answer"}, stage="import_data")
+    code, out = cli("stage", "rollout", f"checkpoint={tiny_policy_dir}", f"prompts={data}/v1b", f"output={data}/r2")
+    assert code == 2
+    assert_user_error(out, f"{data}/v1b/part-00000.parquet", "schema 'prompts' v1, which this rlpipe (v2) cannot read",
+                      "missing column 'answer'", "--force")
+
+
+def test_a_bug_says_so(data, tiny_policy_dir, monkeypatch):
+    """Anything that is not the user's or the machine's problem keeps its traceback and says it is
+    a bug in rlpipe, exit 1."""
+    from rlpipe.stages.rollout import run as rollout_run
+
+    monkeypatch.setattr(rollout_run, "_tokenize", lambda *a: [][1])  # an IndexError inside rlpipe
+    result = CliRunner().invoke(app, ["stage", "rollout", f"checkpoint={tiny_policy_dir}", f"prompts={data}/prompts",
+                                      f"output={data}/r"])
+    assert result.exit_code == 1
+    assert "IndexError" in result.output and "this is a bug in rlpipe" in result.output

@@ -30,6 +30,8 @@ from rlpipe.schemas import (
     read_table_artifact,
 )
 from rlpipe.schemas.columns import LOGPROBS
+from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.advantage.config import AdvantageConfig
 from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantages
@@ -72,21 +74,21 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
     kl_t = kl(config.kl.estimator, behaviour, ref_logp) * mask if behaviour is not None and ref_logp is not None else None
     if config.kl.in_reward:
         if kl_t is None:
-            raise ValueError(f"kl.in_reward: {config.reference} holds no reference log-probs (ref_logprobs is null)")
+            raise ConfigError(f"kl.in_reward: {config.reference} holds no reference log-probs (ref_logprobs is null)")
         token_rewards = kl_token_rewards(rewards, kl_t, mask, config.kl.beta)  # -beta kl_t, + R at the end
         seq_rewards = token_rewards.sum(-1)  # R - beta * sum_t kl_t
     else:
         token_rewards, seq_rewards = last_token_rewards(rewards, mask), rewards
     estimator = config.estimator
     if estimator.needs_values and values is None:
-        raise ValueError(f"estimator {estimator.name!r}: {config.reference} holds no critic values "
+        raise ConfigError(f"estimator {estimator.name!r}: {config.reference} holds no critic values "
                          "(run the reference step with `critic=`)")
 
     # 3. Set the greedy baseline rows apart (a baseline per group), then estimate on the samples.
     greedy = torch.tensor(scores.column("sample_index").to_pylist(), dtype=torch.long) == GREEDY_SAMPLE_INDEX
     baselines = _group_baselines(seq_rewards, group_ids, greedy, scores, config) if greedy.any() else None
     if estimator.needs_baselines and baselines is None:
-        raise ValueError(f"estimator {estimator.name!r}: {config.scores} holds no greedy baseline rows "
+        raise ConfigError(f"estimator {estimator.name!r}: {config.scores} holds no greedy baseline rows "
                          f"(sample_index {GREEDY_SAMPLE_INDEX}): sample the rollouts with `greedy_baseline: true`")
     keep = ~greedy
     rewards, group_ids, mask, seq_rewards, token_rewards = (x[keep] for x in (rewards, group_ids, mask, seq_rewards,
@@ -144,7 +146,7 @@ def _group_baselines(seq_rewards: torch.Tensor, group_ids: torch.Tensor, greedy:
     if len(bad):
         i = int(bad[0])
         where = {k: scores.column(k)[i].as_py() for k in ("iteration", "group_id")}
-        raise ValueError(f"{config.scores}: group {where} has {int(count[group_ids[i]])} greedy baseline rows "
+        raise DataError(f"{config.scores}: group {where} has {int(count[group_ids[i]])} greedy baseline rows "
                          f"(sample_index {GREEDY_SAMPLE_INDEX}); a rollout with greedy_baseline gives every group one")
     base = torch.zeros(n_groups, dtype=seq_rewards.dtype).index_add_(0, group_ids[greedy], seq_rewards[greedy])
     return base[group_ids[~greedy]]

@@ -16,9 +16,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlpipe.schemas.config import ConfigError, describe_fields, load_config
-from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.staging import discard_open_staging
 from rlpipe.stages.common.interrupt import exit_on_signals
+
+
+def own_cache_dirs() -> None:
+    """Point the caches libraries would make in the temporary directory at the user's cache
+    instead (~/.cache/rlpipe/, or $XDG_CACHE_HOME/rlpipe/), unless the user set them: building a
+    model with transformers makes torch's inductor cache folder (/tmp/torchinductor_<user>), which
+    would outlive the run. Launched processes inherit the setting."""
+    from pathlib import Path
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlpipe"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
 
 
 def import_ref(ref: str) -> Any:
@@ -57,6 +67,24 @@ def _strip_local_rank(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def report_failure(e: Exception, debug: bool, say: Callable[[str], None]) -> int:
+    """Tell the user about a failed command; returns its exit code. A user mistake or a problem
+    of the machine (`rlpipe.schemas.errors.user_message`: one paragraph naming the file and what to
+    do, through `say`): 2, its traceback only with `debug`. Anything else is a bug in rlpipe: its
+    traceback and a note saying so: 1."""
+    import traceback
+
+    from rlpipe.schemas.errors import BUG_NOTE, user_message
+
+    message = user_message(e)
+    if message is not None and not debug:
+        say(message)
+        return 2
+    traceback.print_exception(e)
+    say(message if message is not None else BUG_NOTE)
+    return 2 if message is not None else 1
+
+
 def stage_entry(package: str) -> Callable[[Sequence[str] | None], int]:
     """`main(argv)` of the stage package `rlpipe.stages.<name>` (every stage's `__main__.py`)."""
     return functools.partial(stage_main, package.rpartition(".")[2])
@@ -71,6 +99,7 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     """
     from rlpipe.stages import get_stage
 
+    own_cache_dirs()
     stage = get_stage(name)
     config_cls = stage.config_class()
     argv = _strip_local_rank(sys.argv[1:] if argv is None else argv)
@@ -101,12 +130,9 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     with exit_on_signals(f"stage {name}"):
         try:
             manifest = stage.run(config, force=args.force)
-        except BaseException as e:
+        except Exception as e:
             discard_open_staging()  # nothing partial stays behind
-            if not isinstance(e, UserError) or args.debug:
-                raise
-            print(f"error: {name}: {e}", file=sys.stderr)
-            return 2
+            return report_failure(e, args.debug, lambda m: print(f"error: {name}: {m}", file=sys.stderr))
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"

