@@ -117,7 +117,7 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
             out["response_length"] = float(r["response_token_ids"].list.len().mean())
             out["truncated_fraction"] = float((r["finish_reason"] == "length").mean())
             stale = int((r["iteration"] - r["policy_version"]).max())
-            if stale:  # asynchronous runs: the sampling policy is this many optimize runs behind
+            if stale > 0:  # asynchronous runs: the sampling policy is this many optimize runs behind
                 out["staleness"] = float(stale)
     if exists(it / "metrics"):
         steps = step_metrics(it / "metrics")
