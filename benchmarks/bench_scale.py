@@ -3,15 +3,17 @@
 `launch.resident=false`), and placed stages as resident worker groups (`resident`).
 
     .venv/bin/python benchmarks/bench_scale.py [--sizes 1m 20m 80m] [--iterations 5] [--repeats 2]
-                                               [--threads 2] [--json FILE] [key=value ...]
+                                               [--threads 2] [--gpus 0] [--json FILE] [key=value ...]
 
 For each size the demo job (16 prompts x 8 samples x up to 6 new tokens, GRPO, exact-match
 reward, train state saved every iteration) starts from a random Llama of that size built locally
-(`base_model.size`: ~1.2M, ~19M, ~83M parameters; no SFT), with the default `keep` (the last 2
+(`base_model.size`: ~1.2M, ~19M, ~83M, ~0.38B, ~0.97B parameters; no SFT), with the default `keep` (the last 2
 train states, every 10th policy, the last and the best; the demo preset itself keeps everything)
 and any `key=value` preset overrides given (`optimize.background_state_save=false`, ...). Placed:
-rollout on 1 worker, optimize on 1 rank; score and advantage in the driver. Every process gets `--threads` torch threads (the
-driver too), so the launchers compute alike: only where the work runs differs. Each size and
+rollout on 1 worker, optimize on 1 rank (with `--gpus 1` both on GPU 0: the transformers rollout
+engine in fp32, optimize in bf16 with fp32 masters); score and advantage in the driver. Every
+process gets `--threads` torch threads (the driver too), so the launchers compute alike: only
+where the work runs differs. Each size and
 launcher runs in its own driver process (no warm state carried between them), one after another.
 
 Per size and launcher it prints: s/iteration (the median over iterations 1..N-2: the first pays
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,7 +58,8 @@ LAUNCHERS = {
 DEFAULT_KEEP = ["keep.train_states=2", "keep.checkpoints_every=10", "keep.best=accuracy"]
 
 
-def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int, overrides: list[str]) -> dict:
+def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int, gpus: int,
+          overrides: list[str]) -> dict:
     """One driver: the demo job at `size` under `launcher`; per iteration its driver-side stage
     times and the manifests' timings."""
     from rlpipe.pipelines.preset import load_preset
@@ -63,7 +67,9 @@ def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int
 
     placement = [] if launcher == "local" else [
         "launch.rollout.workers=1", f"launch.rollout.cpus_per_task={threads}",
-        "launch.optimize.ranks_per_node=1", f"launch.optimize.cpus_per_task={threads}"]
+        f"launch.rollout.gpus_per_worker={gpus}",
+        "launch.optimize.ranks_per_node=1", f"launch.optimize.cpus_per_task={threads}",
+        f"launch.optimize.gpus_per_node={gpus}"]
     preset = load_preset("demo", [f"base_model.size={size}", "sft=null", f"iterations={iterations}",
                                   "eval_every=0", "loggers=[]", *DEFAULT_KEEP, *LAUNCHERS[launcher], *placement,
                                   *overrides])
@@ -120,13 +126,16 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=5, help="iterations per run (>= 3: first and last are left out)")
     p.add_argument("--repeats", type=int, default=2, help="runs per size and launcher, in alternating order")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every process")
+    p.add_argument("--gpus", type=int, default=0, choices=(0, 1),
+                   help="1: the placed rollout worker and optimize rank both get GPU 0 (a local run uses "
+                        "it when CUDA is there); 0: placed stages run on CPU")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="preset overrides for every run")
     p.add_argument("--child", nargs=3, metavar=("SIZE", "LAUNCHER", "RUN_DIR"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         size, launcher, run_dir = a.child
-        print(json.dumps(child(size, launcher, Path(run_dir), a.iterations, a.threads, a.overrides)))
+        print(json.dumps(child(size, launcher, Path(run_dir), a.iterations, a.threads, a.gpus, a.overrides)))
         return 0
 
     figures: dict[str, dict[str, dict]] = {}
@@ -140,8 +149,9 @@ def main() -> int:
                     started, load = time.perf_counter(), os.getloadavg()[0]
                     done = subprocess.run([sys.executable, __file__, "--child", size, launcher, str(run_dir),
                                            "--iterations", str(a.iterations), "--threads", str(a.threads),
-                                           *a.overrides],
+                                           "--gpus", str(a.gpus), *a.overrides],
                                           env=env, capture_output=True, text=True)
+                    shutil.rmtree(run_dir.parent.parent)  # (at 1b each train state is ~12 GB)
                     if done.returncode != 0:
                         print(done.stderr[-4000:], file=sys.stderr)
                         raise SystemExit(f"bench_scale: {size} {launcher} failed (exit {done.returncode})")
@@ -157,8 +167,9 @@ def main() -> int:
 
 
 def table(figures: dict, a: argparse.Namespace) -> str:
+    where = f"placed stages on GPU 0 ({_gpu_name()})" if a.gpus else f"{os.cpu_count()} cores"
     lines = [f"demo job, {a.repeats} run(s) of {a.iterations} iterations per size and launcher, {a.threads} torch "
-             f"thread(s) per process, {os.cpu_count()} cores; medians of iterations 1..{a.iterations - 2} of every run"
+             f"thread(s) per process, {where}; medians of iterations 1..{a.iterations - 2} of every run"
              + (f"; {' '.join(a.overrides)}" if a.overrides else ""),
              "| size | launcher | s/iteration | vs local | first iteration s | compute | start/load | save | "
              "other | optimize s | state save s | MB written/iteration | MB on disk after |",
@@ -173,6 +184,12 @@ def table(figures: dict, a: argparse.Namespace) -> str:
                          f"{f['optimize_s']:.2f} | {f['state_save_s']:.2f} | {f['bytes_per_iteration'] / 1e6:.1f} | "
                          f"{f['footprint_bytes'] / 1e6:.0f} |")
     return "\n".join(lines)
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
 
 
 if __name__ == "__main__":

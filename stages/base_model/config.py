@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlpipe.schemas.config import Output, StageConfig
+from rlpipe.stages.common.tiny import SIZES
 
 
 class BaseModelConfig(StageConfig):
@@ -18,12 +19,20 @@ class BaseModelConfig(StageConfig):
     """Where the checkpoint goes (model + tokenizer + _manifest.json)."""
     tokenizer_texts: tuple[str, ...] = Field(min_length=1)
     """Texts the tokenizer is trained on (the pipeline passes the task's characters)."""
-    size: Literal["micro", "tiny", "demo", "1m", "20m", "80m"] = "demo"
-    """Model size (micro: unit tests, tiny: ~0.1M parameters, demo: ~0.7M; 1m, 20m, 80m: about
-    that many parameters, for benchmarks/bench_scale.py)."""
+    size: str = "demo"
+    """Model size, a name of `rlpipe.stages.common.tiny.SIZES` (micro: unit tests, tiny: ~0.1M
+    parameters, demo: ~0.7M; 1m, 20m, 80m, 400m, 1b: about that many parameters, for
+    benchmarks/bench_scale.py)."""
     vocab_size: int = Field(320, ge=16)
     """Tokenizer vocabulary size (specials and the 256 byte symbols included)."""
     max_positions: int = Field(256, ge=8)
     """Context length of the model (max_position_embeddings)."""
     seed: int = 0
     """Seeds the model's initialisation."""
+
+    @field_validator("size")
+    @classmethod
+    def _known_size(cls, size: str) -> str:
+        if size not in SIZES:
+            raise ValueError(f"unknown model size {size!r}; known: {', '.join(SIZES)}")
+        return size

@@ -3,7 +3,8 @@
 - `ds_config`: the shipped template cluster/deepspeed/zero<stage>.json with its "auto" fields
   filled from the stage's knobs; the one place a DeepSpeed config is made.
 - `make_engine`: deepspeed.initialize around a model and a torch optimizer (no FusedAdam build on
-  CPU), announcing the one-time C++ build of DeepSpeed's CPU communication op.
+  CPU), announcing the one-time C++ build of DeepSpeed's CPU communication op, and taking back
+  the zero-gradient step DeepSpeed's ZeRO-0 bf16 wrapper takes (Adam would count it).
 - `full_parameters` / `save_pretrained`: the trained weights whole (ZeRO-3 partitions gathered;
   a collective: every rank must call) and written as a Hugging Face checkpoint by rank 0.
 """
@@ -75,7 +76,28 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], *,
     _announce_op_build()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                       lr_scheduler=scheduler, config=config)
+    _undo_state_init_step(engine)
     return engine
+
+
+def _undo_state_init_step(engine: Any) -> None:
+    """Take back the optimizer step DeepSpeed's ZeRO-0 bf16 wrapper (FP16_UnfusedOptimizer) takes
+    with zero gradients when it is built, to create the optimizer state.
+
+    That step counts for Adam: the first real update is bias-corrected as step 2,
+    lr * (0.1 g / 0.19) / sqrt(0.001 g^2 / 0.001999) = 0.744 lr instead of lr (measured: 0.744),
+    and weight decay shrinks the masters once. Torch optimizers create their state lazily at the
+    first step, so an empty state and masters re-copied from the module (from which they were
+    made) are the state before that step. ZeRO 1-3 take no such step (their first update is lr).
+    """
+    wrapper = engine.optimizer
+    if type(wrapper).__name__ != "FP16_UnfusedOptimizer":
+        return
+    with torch.no_grad():
+        for low, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True):
+            for lp, hp in zip(low, masters, strict=True):
+                hp.copy_(lp.to(hp.dtype))
+    wrapper.optimizer.state.clear()
 
 
 def _announce_op_build() -> None:

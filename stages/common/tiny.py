@@ -31,6 +31,8 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "1m": (160, 4, 4, 2, 448),  # ~1.2M
     "20m": (512, 6, 8, 4, 1536),  # ~19M
     "80m": (768, 12, 12, 4, 2304),  # ~83M
+    "400m": (1024, 24, 16, 8, 4096),  # ~0.38B
+    "1b": (2048, 22, 32, 4, 5632),  # ~0.97B (TinyLlama's shape)
 }
 
 ModelKind = Literal["causal", "reward", "critic"]

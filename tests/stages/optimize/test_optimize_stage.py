@@ -166,6 +166,7 @@ def test_bf16_on_cuda(tmp_path, artifacts, tiny_policy_dir, make_config, read_me
         pytest.skip("no CUDA device")
     from safetensors.torch import load_file
 
+    from rlpipe.stages.common.deepspeed import ds_config
     from rlpipe.stages.optimize import engine as E
 
     # the whole batch (16 rows) in step 1, so its loss is known from the data alone; 2 epochs
@@ -197,7 +198,7 @@ def test_bf16_on_cuda(tmp_path, artifacts, tiny_policy_dir, make_config, read_me
     # (an lr 1e-6 update would vanish below bf16's ulp otherwise).
     policy, _ = load_model(tiny_policy_dir, cache=False)
     engine = E.make_engine(policy, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), gradient_checkpointing=False,
-                           config=E.ds_config(0, micro_batch_size=4, grad_accum=1, world_size=1, grad_clip=1.0,
+                           config=ds_config(0, micro_batch_size=4, grad_accum=1, world_size=1, grad_clip=1.0,
                                               bf16=True))
     try:
         assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}

@@ -3,7 +3,8 @@
 N chained optimize runs (each continuing from the previous run's train_state) equal one plain
 PyTorch AdamW over the same N batches: at ZeRO 0 and 2 in one process (warm engines and cold
 loads), and on 2 ranks (torchrun, gloo) at ZeRO 2, continued at ZeRO 0 on 1 rank. The LR per
-step follows the schedule formula across runs; bf16 keeps fp32 masters that move.
+step follows the schedule formula across runs; bf16 keeps fp32 masters that move (on CPU, and on
+one CUDA GPU at ZeRO 0-3: `-m gpu`).
 
 Tolerance 1e-5 on the parameters (fp32, CPU): the runs differ from the plain loop only in
 summation order (ZeRO's flat buffers, the all-reduce), ~1e-7 relative in the gradient; AdamW's
@@ -203,6 +204,66 @@ def test_bf16_keeps_fp32_masters_that_move(tmp_path, tiny_tokenizer, tiny_policy
     delta_ref = torch.cat([(want[k] - start[k]).flatten() for k in names])
     rel = float((delta - delta_ref).norm() / delta_ref.norm())
     assert rel < 0.1
+
+
+@pytest.mark.slow
+def test_bf16_first_adam_step_moves_every_master_by_lr(tmp_path, artifacts, tiny_policy_dir, make_config):
+    """Adam's first step is lr * m_hat / sqrt(v_hat) = lr * sign(g) (|g| >> eps): every fp32 master
+    moves by lr, at every ZeRO stage. DeepSpeed's ZeRO-0 bf16 wrapper takes a zero-gradient step
+    when it is built, which Adam would count (the first step then 0.744 lr; make_engine takes it
+    back). The masters near 0.02 hold lr = 1e-6 to fp32's spacing there, 2^-29 ~ 1.9e-9: 0.2%."""
+    from rlpipe.stages.optimize.state import master_weights
+
+    start = {k: v.bfloat16().float() for k, v in load_file(tiny_policy_dir / "model.safetensors").items()}
+    for zero_stage in (0, 1, 2, 3):
+        cfg = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{zero_stage}", zero_stage=zero_stage,
+                          dtype="bf16", micro_batch_size=16, minibatch_size=16, lr=1e-6,
+                          train_state_output=tmp_path / f"z{zero_stage}_state")
+        run(cfg)
+        clear_warm()
+        masters = master_weights(cfg.train_state_output)
+        step = torch.cat([(masters[k] - start[k]).abs().flatten() for k in start if k in masters]) / 1e-6
+        assert step.median().item() == pytest.approx(1.0, abs=1e-2), zero_stage
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_bf16_chain_on_cuda_keeps_fp32_masters_that_follow_autocast_adamw(
+        tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, read_metrics, zero_stage, mode):
+    """On one CUDA GPU, dtype=auto is bf16 (DeepSpeed's bf16 engine: bf16 compute, fp32 masters).
+    Three chained runs at lr 1e-6, warm (engine kept) or cold (rebuilt, the state read back from
+    disk, ZeRO-3's partitions included), keep fp32 masters that move as the bf16-autocast +
+    fp32-AdamW loop moves them (the bound of test_bf16_keeps_fp32_masters_that_move, on CPU), at
+    every ZeRO stage; the policy the next rollout reads is those masters in bf16."""
+    from rlpipe.stages.optimize.state import master_weights
+
+    lr = 1e-6
+    batches = _batches(tmp_path, build, tiny_tokenizer)
+    configs = _chain(tmp_path, batches, tiny_policy_dir, make_config, f"z{zero_stage}", zero_stage=zero_stage,
+                     micro_batch_size=16, dtype="auto")
+    configs = [c.model_copy(update={"lr": lr}) for c in configs]
+    for cfg in configs:
+        if mode == "cold":
+            clear_warm()
+        run(cfg)
+    clear_warm()  # free the GPU for the next case
+    assert read_metrics(configs[0].metrics_output)[1]["ratio_max"] == 1.0  # old log-probs in bf16 too
+    masters = {k: v.detach().cpu() for k, v in master_weights(configs[-1].train_state_output).items()}
+    start = {k: v.bfloat16().float() for k, v in load_file(tiny_policy_dir / "model.safetensors").items()}
+    assert_fp32_masters(masters)
+    names = [k for k in masters if k in start]
+    assert len(names) == len(start)
+    assert torch.cat([(masters[k] != start[k]).flatten() for k in names]).float().mean() > 0.99
+
+    want = _plain_adamw(tiny_policy_dir, batches, autocast=True, lr=lr)
+    delta = torch.cat([(masters[k] - start[k]).flatten() for k in names])
+    delta_ref = torch.cat([(want[k] - start[k]).flatten() for k in names])
+    assert float((delta - delta_ref).norm() / delta_ref.norm()) < 0.1
+    policy = load_file(configs[-1].output / "model.safetensors")
+    for k in names:
+        assert torch.equal(policy[k].float(), masters[k].bfloat16().float()), k
 
 
 def assert_fp32_masters(masters: dict[str, torch.Tensor]) -> None:
