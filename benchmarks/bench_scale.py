@@ -156,10 +156,13 @@ def main() -> int:
                         print(done.stderr[-4000:], file=sys.stderr)
                         raise SystemExit(f"bench_scale: {size} {launcher} failed (exit {done.returncode})")
                     runs[launcher].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    steady = summarise(runs[launcher][-1:])
                     print(f"{size:>4} {launcher:<9} run {repeat + 1}/{a.repeats} done in "
-                          f"{time.perf_counter() - started:.0f} s (load average {load:.1f} at its start)",
+                          f"{time.perf_counter() - started:.0f} s (load average {load:.1f} at its start): "
+                          f"{steady['s_per_iteration']:.2f} s/iteration, first {steady['first_iteration_s']:.1f} s",
                           file=sys.stderr, flush=True)
             figures[size] = {launcher: summarise(r) for launcher, r in runs.items()}
+            print(table({size: figures[size]}, a), file=sys.stderr, flush=True)  # (a long run may be cut short)
     print(table(figures, a))
     if a.json:
         a.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")

@@ -65,11 +65,13 @@ class StageLaunchError(RuntimeError):
     one `error:` paragraph."""
 
     def __new__(cls, stage: str, exit_code: int | None, log: Path, detail: str = ""):
-        return super().__new__(StageUserError if cls is StageLaunchError and exit_code == 2 else cls)
+        user = rank_exit_code(exit_code, log) == 2
+        return super().__new__(StageUserError if cls is StageLaunchError and user else cls)
 
     def __init__(self, stage: str, exit_code: int | None, log: Path, detail: str = ""):
-        self.stage, self.exit_code, self.log, self.detail = stage, exit_code, log, detail
-        how = f"exit code {exit_code}" if exit_code is not None else detail
+        self.stage, self.exit_code, self.log, self.detail = stage, rank_exit_code(exit_code, log), log, detail
+        how = f"exit code {self.exit_code}" if exit_code is not None else detail
+        how += f", torchrun's {exit_code}" if self.exit_code != exit_code else ""
         tail = log_tail(log)
         cause = _last_error(log)
         cause = f"\n{cause}" if cause and cause not in tail else ""
@@ -164,6 +166,18 @@ def completed(call: StageCall, log: Path) -> Manifest:
             raise StageLaunchError(call.name, None, log, f"its processes exited 0 but {path} has no "
                                    "valid manifest") from None
     return recorded_manifest(next(iter(outputs.values())))
+
+
+def rank_exit_code(exit_code: int | None, log: Path) -> int | None:
+    """The failed rank's exit code: torchrun exits 1 whatever its rank's code was (a user error's
+    2 included), and names that code in the 'Root Cause' block it prints last."""
+    if exit_code != 1 or not log.is_file():
+        return exit_code
+    found = _ROOT_CAUSE.findall(log.read_text(errors="replace"))
+    return int(found[-1]) if found else exit_code
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
 def _last_error(log: Path) -> str:

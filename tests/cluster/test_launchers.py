@@ -14,6 +14,7 @@ from rlpipe.cluster.launchers import (
     LOOPBACK,
     ProcessLauncher,
     StageLaunchError,
+    StageUserError,
     local_processes,
     log_dir,
 )
@@ -79,6 +80,19 @@ def test_process_and_srun_command_lines(tmp_path):
     assert shards[shards.index("-c") + 1] == 'exec "$@" worker_index=$SLURM_PROCID worker_count=$SLURM_NTASKS'
     with pytest.raises(ValueError, match="the allocation has 1"):
         srun_command(optimize, StagePlacement(nodes=2), False, logs / "o.log", allocation_nodes=1)
+
+
+def test_a_user_error_of_a_torchrun_rank_is_a_user_error(tmp_path):
+    """torchrun exits 1 whatever its rank's exit code; the rank's 2 (a user error) is read from
+    torchrun's report, so the driver shows one `error:` paragraph instead of a crash."""
+    call = _call(tmp_path, "optimize")
+    call.config_file.parent.mkdir(parents=True)
+    call.config_file.write_text("lr: -1\n")  # the stage's own config check fails: exit 2
+    launcher = ProcessLauncher(Launch(launcher="processes", resident=False,
+                                      stages={"optimize": StagePlacement(ranks_per_node=1)}))
+    with pytest.raises(StageUserError, match="stage optimize failed \\(exit code 2, torchrun's 1\\)") as e:
+        launcher(call)
+    assert e.value.exit_code == 2 and "lr" in str(e.value)
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "per_call"])
