@@ -9,7 +9,14 @@ import sys
 import time
 
 from rlpipe.cluster.resident import sweep
-from rlpipe.cluster.workorders import DriverWatch, GroupDir, live_members, me, process_start, still_running
+from rlpipe.cluster.workorders import (
+    DriverWatch,
+    GroupDir,
+    live_members,
+    me,
+    process_start,
+    still_running,
+)
 
 
 def _sleeper() -> subprocess.Popen:

@@ -1,0 +1,193 @@
+"""Multi-turn episodes on any rollout engine: one token sequence per episode with a mask of who
+wrote each token (1: sampled by the model, trained on; 0: inserted by the environment, never).
+
+The model's tokens are kept exactly as sampled (never re-tokenised), so their log-probs stay the
+behaviour policy's; the environment's reply is tokenised on its own and inserted after them:
+
+    prompt | model turn 1 | reply 1 | model turn 2 | ... | model turn n          (mask 1 0 1 .. 1)
+
+`ChatTurns` renders replies with the tokenizer's chat template (the part the template adds for
+the reply messages and the next generation prompt, found by rendering a fixed conversation with
+and without them, plus whatever closing of the model's turn the model did not sample itself);
+`TextTurns` continues raw text (`<tool_response>` blocks, then a new line).
+
+`run_episodes` drives every episode of a batch through the engine's `generate` together, each
+advancing on its own: the first turn samples G responses per prompt from the group's seed, as a
+single-turn rollout does; each later turn samples one continuation per live episode from a seed
+of (group seed, sample, turn). Same seed, same episodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlpipe.stages.rollout.engines import Engine, Sample, SamplingSpec
+from rlpipe.stages.rollout.environments.base import Environment, ModelTurn, StepResult
+from rlpipe.stages.rollout.environments.tools import parse_tool_calls
+
+# ---- how turns become tokens -------------------------------------------------------------------
+
+def _ids(out: Any) -> list[int]:
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+class ChatTurns:
+    """Turns through the tokenizer's chat template (`tools`: the JSON schemas it shows)."""
+
+    #: The conversation the reply is rendered after (its content never reaches a sequence).
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools or None
+        before = self._render(self._BASE, generation_prompt=False)
+        # What the template writes after an assistant turn's content (e.g. '<|im_end|>\n').
+        self.turn_end = before[before.rindex("a") + 1:]
+        self._before = before
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def opening(self, messages: list[dict[str, Any]]) -> list[int]:
+        return _ids(self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True,
+                                                       add_generation_prompt=True))
+
+    def reply(self, messages: Sequence[dict[str, Any]], sampled: list[int]) -> list[int]:
+        after = self._render([*self._BASE, *messages], generation_prompt=True)
+        if not after.startswith(self._before):
+            raise ValueError("the chat template renders earlier turns differently once later ones follow; "
+                             "use environment turns as raw text (chat_template: false)")
+        # The turn's closing as the template writes it, less what the model sampled of it (its
+        # stop token, usually); a turn cut by max_new_tokens gets the whole closing.
+        said = self.tokenizer.decode(sampled[-1:]) if sampled else ""
+        close = self.turn_end[len(said):] if said and self.turn_end.startswith(said) else self.turn_end
+        return _ids(self.tokenizer(close + after[len(self._before):], add_special_tokens=False))
+
+
+class TextTurns:
+    """Turns as raw text: each reply message in a block on its own lines."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def opening(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = "\n".join(m["content"] for m in messages)
+        return _ids(self.tokenizer(text))
+
+    def reply(self, messages: Sequence[dict[str, Any]], sampled: list[int]) -> list[int]:
+        blocks = [f"<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else m["content"]
+                  for m in messages]
+        return _ids(self.tokenizer("\n" + "\n".join(blocks) + "\n", add_special_tokens=False))
+
+
+# ---- episodes ----------------------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    """One span of an episode's tokens (positions after the prompt, end exclusive)."""
+
+    role: str  # 'model' or 'environment'
+    start: int
+    end: int
+    finish_reason: str | None = None  # model turns: 'stop', 'length'; 'context' when the window ran out
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # environment turns: its reply
+    reward: float | None = None
+
+
+@dataclass
+class Episode:
+    """One episode: the tokens after the prompt, who wrote each, and the turns."""
+
+    prompt_ids: list[int]
+    environment: Environment
+    messages: list[dict[str, Any]]
+    token_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # None where the environment wrote
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def model_turns(self) -> int:
+        return sum(t.role == "model" for t in self.turns)
+
+    @property
+    def environment_reward(self) -> float | None:
+        rewards = [t.reward for t in self.turns if t.reward is not None]
+        return sum(rewards) if rewards else None
+
+    def add_model_turn(self, sample: Sample, finish_reason: str) -> ModelTurn:
+        start = len(self.token_ids)
+        self.token_ids += sample.token_ids
+        self.mask += [1] * len(sample.token_ids)
+        self.logprobs += sample.logprobs
+        calls = parse_tool_calls(sample.text)
+        self.turns.append(Turn("model", start, len(self.token_ids), finish_reason,
+                               tool_calls=[{"name": c.name, "arguments": c.arguments, "error": c.error}
+                                           for c in calls]))
+        self.messages.append({"role": "assistant", "content": sample.text})
+        return ModelTurn(sample.text, calls, finish_reason)
+
+    def add_environment_turn(self, result: StepResult, reply_ids: list[int]) -> None:
+        start = len(self.token_ids)
+        self.token_ids += reply_ids
+        self.mask += [0] * len(reply_ids)
+        self.logprobs += [None] * len(reply_ids)
+        self.turns.append(Turn("environment", start, len(self.token_ids), messages=list(result.messages),
+                               reward=result.reward))
+        self.messages += result.messages
+
+
+def turn_seed(group_seed: int, sample_index: int, turn: int) -> int:
+    """The seed of turn `turn` (>= 1) of sample `sample_index` in a group (63 bits of a SHA-256)."""
+    digest = hashlib.sha256(f"{group_seed}/{sample_index}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def run_episodes(engine: Engine, rows: Sequence[dict[str, Any]], group_seeds: Sequence[int],
+                 params: SamplingSpec, make_environment: Callable[[], Environment],
+                 turns: ChatTurns | TextTurns, max_turns: int) -> list[list[Episode]]:
+    """G episodes per prompt row (outer list in row order, inner in sample order)."""
+    groups = []
+    for row in rows:
+        episodes = []
+        for _ in range(params.group_size):
+            env = make_environment()
+            messages = env.reset(row)
+            episodes.append(Episode(turns.opening(messages), env, list(messages)))
+        groups.append(episodes)
+    # Turn 1: G samples per prompt from the group's seed (the group's prompts are the same).
+    first = engine.generate([g[0].prompt_ids for g in groups], list(group_seeds), params)
+    _advance([(ep, sample) for g, samples in zip(groups, first, strict=True)
+              for ep, sample in zip(g, samples, strict=True)], engine, turns, max_turns, params)
+    single = replace(params, group_size=1)
+    for turn in range(1, max_turns):
+        live = [(gi, si, ep) for gi, g in enumerate(groups) for si, ep in enumerate(g) if not ep.done]
+        if not live:
+            break
+        contexts = [ep.prompt_ids + ep.token_ids for _, _, ep in live]
+        seeds = [turn_seed(group_seeds[gi], si, turn) for gi, si, _ in live]
+        samples = engine.generate(contexts, seeds, single)
+        _advance([(ep, s[0]) for (_, _, ep), s in zip(live, samples, strict=True)], engine, turns, max_turns, params)
+    return groups
+
+
+def _advance(pairs: list[tuple[Episode, Sample]], engine: Engine, turns: ChatTurns | TextTurns, max_turns: int,
+             params: SamplingSpec) -> None:
+    """Add each sampled turn, let its environment answer, and end the episodes that are over."""
+    for ep, sample in pairs:
+        said = ep.add_model_turn(sample, sample.finish_reason)
+        result = ep.environment.step(said)
+        if result.done or ep.model_turns >= max_turns:
+            ep.turns[-1].reward = result.reward
+            ep.done = True
+            continue
+        reply = turns.reply(result.messages, sample.token_ids)
+        ep.add_environment_turn(result, reply)
+        if len(ep.prompt_ids) + len(ep.token_ids) + params.max_new_tokens > engine.context_length:
+            ep.turns[-1].finish_reason = "context"  # no room for another model turn
+            ep.done = True
