@@ -65,7 +65,7 @@ def group_name(group: GroupDir) -> str:
     stage, _, token = group.path.name.rpartition("-")
     run = group.path.parent.parent.name
     base = re.sub(r"[^a-z0-9-]+", "-", f"rlpipe-{run}-{stage}".lower()).strip("-")
-    return f"{base[:43].rstrip('-')}-{token[:8]}"
+    return f"{base[:43].rstrip('-')}-{token[:8].lower()}"
 
 
 def group_manifests(stage: str, group: GroupDir, p: StagePlacement, k: KubernetesSpec,
@@ -161,7 +161,7 @@ def render_run(preset, out: Path) -> list[Path]:
         if p is None:
             continue
         if preset.launch.resident and call in iteration:  # one group for the run (its token drawn then)
-            docs = group_manifests(call.name, GroupDir(run_dir / WORKERS_DIR / f"{call.name}-TOKEN"), p, k)
+            docs = group_manifests(call.name, GroupDir(run_dir / WORKERS_DIR / f"{call.name}-token"), p, k)
             path = out / "stages" / f"{call.name}-workers.yaml"
         else:
             docs = job_manifests(call, p, k)

@@ -69,7 +69,8 @@ class StageLaunchError(RuntimeError):
         return super().__new__(StageUserError if cls is StageLaunchError and user else cls)
 
     def __init__(self, stage: str, exit_code: int | None, log: Path, detail: str = ""):
-        self.stage, self.exit_code, self.log, self.detail = stage, rank_exit_code(exit_code, log), log, detail
+        self.stage, self.log, self.detail = stage, log, detail
+        self.launcher_exit_code, self.exit_code = exit_code, rank_exit_code(exit_code, log)
         how = f"exit code {self.exit_code}" if exit_code is not None else detail
         how += f", torchrun's {exit_code}" if self.exit_code != exit_code else ""
         tail = log_tail(log)
@@ -79,7 +80,7 @@ class StageLaunchError(RuntimeError):
                          if tail else f"stage {stage} failed ({how}); no output in {log}")
 
     def __reduce__(self):  # (pickled as it was made: the message is built from these)
-        return StageLaunchError, (self.stage, self.exit_code, self.log, self.detail)
+        return StageLaunchError, (self.stage, self.launcher_exit_code, self.log, self.detail)
 
 
 class StageUserError(StageLaunchError, UserError):

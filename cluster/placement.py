@@ -99,8 +99,8 @@ class Launch(_Spec):
     stall_timeout_s: float = Field(1800.0, gt=0)
     """Resident groups: a call whose workers are alive but write no output for this long is
     stopped and fails as stuck (a hung collective, a deadlock). Progress lines come every few
-    seconds while a stage works; allow for the longest silent step, such as loading a large model
-    (a worker's start-up imports are not counted)."""
+    seconds while a stage works; allow for the longest silent step, such as loading a large model.
+    A group's start (imports, a pod pending, a pool's queue) gets as long, counted from its launch."""
     driver_timeout_s: float = Field(60.0, gt=0)
     """Resident groups on other hosts than the driver's: workers leave when the driver's
     heartbeat (rewritten every driver_timeout_s / 6) stops for this long. On the driver's host

@@ -83,6 +83,7 @@ class ResidentGroup:
         self.stage, self.group, self.members, self.handle = stage, group, members, handle
         self.stall_timeout_s = stall_timeout_s
         self.seq = 0
+        self.started_at = time.monotonic()
 
     def run(self, call: StageCall, force: bool, logs: Path) -> Path:
         """Send `call` as the next order and wait for every member's answer; returns the first
@@ -116,7 +117,13 @@ class ResidentGroup:
                     log = self.handle.logs[min(member or 0, len(self.handle.logs) - 1)]
                 raise StageLaunchError(self.stage, code, log)
             now_size = sum(_size(p) for p in watched)
-            if now_size != size or not self.group.all_ready(self.members):  # (imports: not counted)
+            if not self.group.all_ready(self.members):  # starting: imports, a pod pending, a pool's queue
+                if time.monotonic() - self.started_at > self.stall_timeout_s:
+                    raise StageLaunchError(self.stage, None, self.handle.logs[0] if self.handle.logs else out[0], (
+                        f"its workers did not start within {self.stall_timeout_s:.0f} s (launch.stall_timeout_s): "
+                        "a pod still pending, a work pool without a worker, an import that hangs?; stopped them"))
+                size, changed = now_size, time.monotonic()
+            elif now_size != size:
                 size, changed = now_size, time.monotonic()
             elif time.monotonic() - changed > self.stall_timeout_s:
                 raise StageLaunchError(self.stage, None, out[0], (
@@ -125,16 +132,31 @@ class ResidentGroup:
                     "stopped them"))
             time.sleep(POLL_S)
 
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
+    def stop(self, grace: float = STOP_GRACE_S) -> dict[int, int]:
         """A stop order, `grace` seconds to leave (members finish what they write in the
-        background first), then the handle's stop; the group folder goes."""
+        background first), then the handle's stop; the group folder goes. Returns the members
+        whose answer to the stop order was an exit code other than 0 (a background save failed),
+        with that code. Best effort: it never raises (it runs while another error is raised)."""
+        stop = self.seq + 1
         with contextlib.suppress(OSError):
-            self.group.send(self.seq + 1, {"stop": True})
+            self.group.send(stop, {"stop": True})
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self.handle.ended() is None:
+        while (time.monotonic() < deadline and self.handle.ended() is None
+               and len(self.group.answers(stop, self.members)) < self.members):
             time.sleep(POLL_S)
-        self.handle.stop(grace=STOP_GRACE_S)
-        shutil.rmtree(self.group.path, ignore_errors=True)
+        failed = {m: a["exit_code"] for m, a in self.group.answers(stop, self.members).items() if a["exit_code"]}
+        try:
+            self.handle.stop(grace=STOP_GRACE_S)
+        except Exception as e:  # (a scheduler's API call: the members leave with their driver anyway)
+            print(f"rlpipe: stopping the {self.stage} workers: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            shutil.rmtree(self.group.path, ignore_errors=True)
+        return failed
+
+    def member_log(self, member: int) -> Path | None:
+        """The member's own output (start-up, between orders, its stop), where its launcher keeps one."""
+        logs = self.handle.logs
+        return logs[min(member, len(logs) - 1)] if logs else None
 
 
 def _size(path: Path) -> int:
@@ -206,13 +228,19 @@ class ResidentGroups:
         """Stop every group: at the end of a run (`wait`: up to `launch.stall_timeout_s` for the
         members to finish their background saves), or at once (it failed or was interrupted)."""
         grace = self.launch.stall_timeout_s if wait else STOP_GRACE_S
+        failures = []
         while self.groups:
             _, group = self.groups.popitem()
-            group.stop(grace)
+            failures += [(group, m, code) for m, code in group.stop(grace).items()]
         self._beating.clear()
         for run_dir in self._swept:
             with contextlib.suppress(OSError):
                 (run_dir / WORKERS_DIR).rmdir()  # (only when empty)
+        if failures and wait:  # the run's last train state (written in the background) is missing
+            group, member, code = failures[0]
+            log = group.member_log(member)
+            raise StageLaunchError(group.stage, code, log or group.group.path,
+                                   "" if log else "its last background save failed")
 
 
 def sweep(workers: Path) -> None:

@@ -106,9 +106,10 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
     seq = 1
     while True:
         order = _next_order(group, seq)
-        if order.get("stop"):
-            wait_for_background()  # (a failed save raises: exit 1, its error in the log)
-            return 0
+        if order.get("stop"):  # answered too: the driver learns whether the last background save failed
+            code = _finish_background(wait_for_background)
+            group.answer(seq, member, {"exit_code": code, "pid": os.getpid(), "seconds": 0.0})
+            return code
         started = time.perf_counter()
         code = run_order(stage, order, member, members)
         group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
@@ -116,6 +117,18 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
         if code != 0:
             return code
         seq += 1
+
+
+def _finish_background(wait: Any) -> int:
+    """Wait for what this worker writes in the background (the last train state); its exit code:
+    0, or the failure's as a stage would report it (2 for a full disk, 1 for a bug)."""
+    from rlpipe.stages.common.cli import report_failure
+
+    try:
+        wait()
+        return 0
+    except Exception as e:
+        return report_failure(e, False, lambda text: print(text, file=sys.stderr, flush=True))
 
 
 def _next_order(group: GroupDir, seq: int) -> dict[str, Any]:
@@ -137,7 +150,7 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> i
         try:
             return stage_main(stage, argv)
         except SystemExit as e:  # the stage's SIGINT / SIGTERM exit (130 / 143), or argparse's
-            return e.code if isinstance(e.code, int) else 1
+            return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         except BaseException:  # a bug: the traceback goes to the order's log, as a launched stage's would
             traceback.print_exc()
             return 1

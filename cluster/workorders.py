@@ -185,6 +185,8 @@ class DriverWatch:
         """Why the driver is gone, or None while it lives."""
         if self.group.abandoned:
             return "a later driver of the run abandoned this group"
+        if not (self.group.path / "group.json").is_file():
+            return "the driver removed this group (it stopped it)"
         if self.same_host:
             return None if still_running(self.driver) else f"the driver (pid {self.driver['pid']}) has exited"
         count = self.group.heartbeat()

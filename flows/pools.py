@@ -127,7 +127,10 @@ def serve_group(name: str, group: str, placement: dict | None) -> dict:
     logs = folder.path.parent.parent / "logs" / "workers"
     logs.mkdir(parents=True, exist_ok=True)
     procs = ProcessGroup(group_processes(name, StagePlacement(**(placement or {})), folder, logs))
-    codes = [popen.wait() for _, popen in procs.running]
+    try:
+        codes = [popen.wait() for _, popen in procs.running]
+    finally:  # (a cancelled flow run: its members are in sessions of their own)
+        procs.stop(grace=10.0)
     if any(codes):
         raise RuntimeError(f"the {name} workers of {group} ended with exit codes {codes}; see {logs}")
     return {"stage": name, "worker_group": group, "exit_codes": codes}

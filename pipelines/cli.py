@@ -221,13 +221,17 @@ def prune(
         bad = [o for o in overrides if not o.startswith("keep.")]
         if bad:
             raise UserError(f"only keep.KEY=VALUE overrides apply to prune, got {', '.join(bad)}")
-        data = apply_overrides({"keep": load_yaml(preset_file).get("keep") or {}}, overrides)
+        preset = load_yaml(preset_file)
+        data = apply_overrides({"keep": preset.get("keep") or {}}, overrides)
         keep = parse_config(Keep, data["keep"], f"{preset_file} (keep)")
+        # an async run's next rollout samples an older policy: the same ones stay as in the run
+        staleness = int((preset.get("async") or {}).get("staleness", 0))
         console = _console()
         with run_lock(run_dir, log=lambda line: console.print(line, markup=False)) as writable:
             if not writable and not dry_run:
                 raise UserError(f"{run_dir} is not writable: nothing can be pruned (try --dry-run)")
-            freed = prune_run(run_dir, keep, dry_run=dry_run, log=lambda line: console.print(line, markup=False))
+            freed = prune_run(run_dir, keep, staleness=staleness, dry_run=dry_run,
+                              log=lambda line: console.print(line, markup=False))
     except Exception as e:
         raise _failed(e, debug) from None
     console.print(f"{'would free' if dry_run else 'freed'} {freed / 1e6:.1f} MB in {run_dir}", markup=False)

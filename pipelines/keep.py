@@ -129,13 +129,28 @@ def prune_run(run_dir: Path, keep: Keep, *, staleness: int = 0, dry_run: bool = 
               log: Callable[[str], None] = print) -> int:
     """Delete what `keep` no longer keeps (`doomed`), logging each with its size; returns the
     bytes freed (or that would be, with `dry_run`)."""
-    from rlpipe.schemas.pruning import artifact_bytes, prune_artifact
+    from rlpipe.schemas.pruning import (
+        PRUNED_NAME,
+        artifact_bytes,
+        prune_artifact,
+        remove_pruned_files,
+    )
 
     freed = 0
     for d in doomed(run_dir, keep, staleness=staleness):
         size = artifact_bytes(d.path) if dry_run else prune_artifact(d.path, d.reason)
         freed += size
         log(f"{'would prune' if dry_run else 'pruned'} {d.path.relative_to(run_dir)} ({_mb(size)}; {d.reason})")
+    # A prune killed after an artifact's record was written left some of its files: finish it.
+    for record in run_dir.glob(f"*/*/{PRUNED_NAME}"):
+        left = [f for f in record.parent.rglob("*") if f.is_file() and f != record]
+        if left:
+            size = sum(f.stat().st_size for f in left)
+            if not dry_run:
+                remove_pruned_files(record.parent)
+            freed += size
+            log(f"{'would remove' if dry_run else 'removed'} what an interrupted prune left in "
+                f"{record.parent.relative_to(run_dir)} ({_mb(size)})")
     return freed
 
 

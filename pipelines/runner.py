@@ -132,10 +132,12 @@ class Pipeline:
     @property
     def overlaps(self) -> bool:
         """Whether the iterations overlap: rollout k+1..k+S (with their score and advantage) while
-        optimize k trains (`async.staleness` S >= 1), which needs optimize in processes of its
-        own (a placement); in one process the stages run in order. Either way S fixes what is
-        computed, so both give the same artifacts."""
-        return self.plan.staleness > 0 and self.preset.launch.placement("optimize") is not None
+        optimize k trains (`async.staleness` S >= 1), which needs optimize on resident workers of
+        its own (a placement, `launch.resident`: per-call launches are for GPUs that stages take by
+        turns); otherwise the stages run in order. Either way S fixes what is computed, so both
+        give the same artifacts."""
+        launch = self.preset.launch
+        return self.plan.staleness > 0 and launch.resident and launch.placement("optimize") is not None
 
     def finish(self, k: int, seconds: dict[str, float]) -> None:
         """Iteration k is complete: its record and line, the report and sinks, and the prune."""

@@ -63,6 +63,8 @@ class _LaneB:
             if self.error is not None:
                 raise self.error
             if not self.thread.is_alive():
+                if self.error is not None:  # (it failed between the two looks)
+                    raise self.error
                 raise RuntimeError(f"the optimize lane stopped before iteration {k}")
 
 
@@ -96,7 +98,8 @@ def run_overlapped(pipeline: Pipeline) -> None:
             finish(j)
     except BaseException:
         lane.stop.set()
-        # Optimize may be mid-call in its processes: stopping the launcher's groups ends that call.
+        # Optimize may be mid-call on its resident workers (runs overlap only then, Pipeline.overlaps):
+        # stopping the launcher's groups ends that call.
         pipeline.launcher.close()
         lane.thread.join()
         raise

@@ -76,7 +76,7 @@ def user_message(e: BaseException) -> str | None:
     line turns an exception into what the user sees."""
     if isinstance(e, UserError):
         return str(e)
-    if isinstance(e, MemoryError):
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # (torch's: a RuntimeError)
         return ("out of memory: use a smaller model, batch (micro_batch_size, rollout.batch_size) or "
                 "fewer workers per machine")
     if isinstance(e, OSError):

@@ -186,12 +186,13 @@ def staged_directory(path: Path | str, *, write: bool = True, shared: bool = Fal
         yield staging
     except BaseException as e:
         # Libraries word a full disk their own way (torch.save: "[enforce fail at
-        # inline_container.cc] unexpected pos"; safetensors: no file named), so look at the disk.
-        full = no_space_left(path.parent)
+        # inline_container.cc] unexpected pos"; safetensors: no file named), so look at the disk;
+        # an interrupt stays one whatever the disk.
+        full = isinstance(e, Exception) and no_space_left(path.parent)
         if write:
             shutil.rmtree(staging, ignore_errors=True)
             _OPEN.discard(staging)
-        if full or isinstance(e, OSError) or "No space left" in str(e):
+        if full or isinstance(e, OSError) or isinstance(e, Exception) and "No space left" in str(e):
             why = f"no space left on the device holding {path.parent}" if full else "saving the checkpoint failed"
             raise ArtifactError(f"{path}: {why} ({type(e).__name__}: {e}); the previous checkpoint, if any, is "
                                 "untouched: free space (`rlpipe prune RUN`, a smaller `keep:`) or choose another "

@@ -5,6 +5,8 @@ schemas, bundled offline, strict: unknown fields fail)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -43,15 +45,16 @@ def test_submit_k8s_renders_resident_worker_jobs(tmp_path, launched_preset):
     assert service["kind"] == "Service" and optimize["spec"]["completions"] == 2
     (c,) = optimize["spec"]["template"]["spec"]["containers"]
     assert "torchrun --nnodes 2 --nproc_per_node 8 --node_rank $JOB_COMPLETION_INDEX" in c["args"][0]
-    assert "-m rlpipe.cluster.worker --group /runs/mini/workers/optimize-TOKEN" in c["args"][0]
+    assert "-m rlpipe.cluster.worker --group /runs/mini/workers/optimize-token" in c["args"][0]
     assert c["resources"]["limits"] == {"nvidia.com/gpu": 8}
     (rollout,) = docs["stages/rollout-workers.yaml"]
     assert rollout["spec"]["completions"] == rollout["spec"]["parallelism"] == 4
     (c,) = rollout["spec"]["template"]["spec"]["containers"]
-    assert c["args"] == ["exec python -m rlpipe.cluster.worker --group /runs/mini/workers/rollout-TOKEN "
+    assert c["args"] == ["exec python -m rlpipe.cluster.worker --group /runs/mini/workers/rollout-token "
                          "--member $JOB_COMPLETION_INDEX --members 4"]
     for job in (optimize, rollout):
         assert len(job["metadata"]["name"]) <= 52 and job["metadata"]["name"].startswith("rlpipe-mini-")
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", job["metadata"]["name"])  # DNS-1123
 
 
 def test_submit_k8s_renders_valid_driver_rbac_and_stage_jobs(tmp_path, launched_preset):

@@ -93,3 +93,44 @@ def test_a_later_driver_clears_a_killed_drivers_groups(tmp_path):
     started = time.monotonic()
     sweep(tmp_path / "workers")
     assert time.monotonic() - started < 5 and list((tmp_path / "workers").iterdir()) == []
+
+
+def test_a_failed_last_background_save_fails_the_end_of_the_run(tmp_path, monkeypatch):
+    """At the stop order a member waits for its background save (the run's last train state) and
+    answers with its exit code; a failure there (a full disk: 2) fails the driver's close(wait),
+    which the run would otherwise end as a success without its last train state."""
+    import threading
+
+    import pytest
+
+    from rlpipe.cluster import worker
+    from rlpipe.cluster.launchers import StageUserError
+    from rlpipe.cluster.placement import Launch
+    from rlpipe.cluster.resident import ResidentGroup, ResidentGroups
+    from rlpipe.schemas.errors import ArtifactError
+    from rlpipe.stages.common import background
+
+    def full_disk() -> None:
+        raise ArtifactError("iter_0004/train_state: no space left on the device holding iter_0004")
+
+    monkeypatch.setattr(background, "wait_for_background", full_disk)
+    group = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=60)
+    codes: list[int] = []
+    member = threading.Thread(target=lambda: codes.append(worker.serve(group, "optimize", 0, 1)))
+    member.start()
+
+    class Handle:  # the member above: a thread here, a process on a cluster
+        logs = [tmp_path / "optimize.log"]
+
+        def ended(self):
+            return None if member.is_alive() else (codes[0], None)
+
+        def stop(self, grace):
+            member.join(grace)
+
+    Handle.logs[0].write_text("[rlpipe worker optimize.0] error: ...no space left...\n")
+    groups = ResidentGroups(Launch(launcher="processes"), start_group=None)
+    groups.groups["optimize"] = ResidentGroup("optimize", group, 1, Handle(), stall_timeout_s=5)
+    with pytest.raises(StageUserError, match="stage optimize failed \\(exit code 2\\)"):
+        groups.close(wait=True)
+    assert codes == [2] and not group.path.exists()
