@@ -195,4 +195,6 @@ def _watchdog(group: GroupDir, member: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlpipe.stages.common.cli import exit_process
+
+    exit_process(main())

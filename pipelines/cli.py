@@ -379,10 +379,14 @@ def _quiet_libraries() -> None:
 
 def main() -> None:
     """Entry point of the installed `rlpipe` script."""
-    from rlpipe.stages.common.cli import own_cache_dirs
+    from rlpipe.stages.common.cli import exit_process, own_cache_dirs
 
     own_cache_dirs()  # (before any library makes its cache in the temporary directory)
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        exit_process(e.code)
+    exit_process(0)
 
 
 if __name__ == "__main__":

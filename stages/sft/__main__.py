@@ -1,11 +1,9 @@
 """`python -m rlpipe.stages.sft [-c FILE] [key=value ...]`: the stage alone on saved artifacts
 (`rlpipe stage sft --help` lists its config keys)."""
 
-import sys
-
-from rlpipe.stages.common.cli import stage_entry
+from rlpipe.stages.common.cli import exit_process, stage_entry
 
 main = stage_entry(__spec__.parent)
 
 if __name__ == "__main__":  # the guard also keeps engine worker processes from re-running it
-    sys.exit(main())
+    exit_process(main())
