@@ -140,9 +140,10 @@ class ResidentGroup:
         stop = self.seq + 1
         with contextlib.suppress(OSError):
             self.group.send(stop, {"stop": True})
-        deadline = time.monotonic() + grace
-        while (time.monotonic() < deadline and self.handle.ended() is None
-               and len(self.group.answers(stop, self.members)) < self.members):
+        deadline, answered = time.monotonic() + grace, False
+        while time.monotonic() < deadline and self.handle.ended() is None:  # (a flow run: until it completes)
+            if not answered and len(self.group.answers(stop, self.members)) == self.members:
+                answered, deadline = True, min(deadline, time.monotonic() + STOP_GRACE_S)  # leaving now
             time.sleep(POLL_S)
         failed = {m: a["exit_code"] for m, a in self.group.answers(stop, self.members).items() if a["exit_code"]}
         try:

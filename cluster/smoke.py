@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 
 def main() -> int:
@@ -31,4 +30,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlpipe.stages.common.cli import exit_process
+
+    exit_process(main())

