@@ -324,9 +324,12 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         llm = self.llm
+        # Greedy decoding gives every sample of a group the same tokens, and vLLM takes n = 1 only
+        # for it: one completion per prompt, repeated G times.
+        n = 1 if params.temperature == 0 else params.group_size
         sampling = [
             self._vllm.SamplingParams(
-                n=params.group_size, temperature=params.temperature, top_p=params.top_p,
+                n=n, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
                 stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
                 logprobs=0, seed=int(seed),
@@ -335,7 +338,8 @@ class VLLMEngine:
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = llm.generate(requests, sampling, use_tqdm=False)
-        return [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        groups = [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return [g * params.group_size if n == 1 else g for g in groups]
 
 
 def _sample(completion: Any) -> Sample:
