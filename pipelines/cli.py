@@ -210,6 +210,7 @@ def prune(
     """
     from rlpipe.pipelines.keep import Keep, prune_run
     from rlpipe.pipelines.lock import run_lock
+    from rlpipe.pipelines.preset import AsyncSpec
     from rlpipe.schemas.config import apply_overrides, load_yaml, parse_config
     from rlpipe.schemas.errors import UserError
 
@@ -225,7 +226,7 @@ def prune(
         data = apply_overrides({"keep": preset.get("keep") or {}}, overrides)
         keep = parse_config(Keep, data["keep"], f"{preset_file} (keep)")
         # an async run's next rollout samples an older policy: the same ones stay as in the run
-        staleness = int((preset.get("async") or {}).get("staleness", 0))
+        staleness = parse_config(AsyncSpec, preset.get("async") or {}, f"{preset_file} (async)").staleness
         console = _console()
         with run_lock(run_dir, log=lambda line: console.print(line, markup=False)) as writable:
             if not writable and not dry_run:

@@ -60,11 +60,10 @@ class _LaneB:
     def wait_trained(self, k: int) -> None:
         """Until optimize k is done; its failure is raised here."""
         while not self.trained[k].wait(_LOOK_S):
+            alive = self.thread.is_alive()  # (looked at first: an error set as it ends is seen below)
             if self.error is not None:
                 raise self.error
-            if not self.thread.is_alive():
-                if self.error is not None:  # (it failed between the two looks)
-                    raise self.error
+            if not alive:
                 raise RuntimeError(f"the optimize lane stopped before iteration {k}")
 
 

@@ -59,7 +59,7 @@ BUILTIN_ENVIRONMENTS = {"tools": "rlpipe.stages.rollout.environments.tools:make_
 class EnvironmentSpec(BaseModel):
     """`rollout.environment`: which environment answers the model, and for how many turns."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     name: str | None = None
     """A built-in environment: 'tools' (kwargs: tools, a list of built-in tool names
