@@ -9,6 +9,9 @@ With the KL in the reward (`estimator_params.kl_in_reward`), gae sees token rewa
 `-beta * kl_t` plus R on the last token, and sequence estimators see `R - beta * sum_t kl_t`;
 the `reward` column keeps R unpenalised. The manifest's `extra` holds the batch summary
 (groups, zero_variance_groups, reward and advantage moments, KL means, kl_beta_next).
+Episodes (rollouts with a `response_mask`): every list column is 0 on the tokens the environment
+wrote; the estimators, KL and the summary see only the sampled tokens, in order (read with the
+rollouts, `rollouts=`).
 """
 
 import pyarrow as pa

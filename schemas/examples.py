@@ -59,6 +59,8 @@ def example_table(
             values = [rng.choice(["stop", "stop", "length"]) for _ in range(rows)]
         elif name == "response_length":
             values = lengths
+        elif name == "response_mask":  # who wrote each token: 1 the model, 0 an environment
+            values = [[int(rng.random() < 0.75) for _ in range(n)] for n in lengths]
         elif name in _ALIGNED:
             values = [_value(rng, col.type, n) for n in lengths]
         else:

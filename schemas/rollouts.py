@@ -11,6 +11,13 @@ greedy (temperature 0) response to the group's prompt, with `sample_index` = GRE
 (-1) and temperature 0 in `sampling`. It is not a sample: the score stage scores it like any row,
 the advantage stage uses its reward as the group's baseline (ReMax) and writes no advantage row for
 it, so optimize, which trains on the advantages' rows, never trains on it.
+
+Multi-turn episodes (rollout `environment`, version 3): `response_token_ids` holds every token of
+the episode after the prompt, the model's turns and the environment's replies in order;
+`response_mask` says who wrote each (1 the model, 0 the environment) and `response_logprobs` is
+null where the environment wrote. `turns` lists the spans with their text, tool calls and results.
+Every later stage trains, penalises and counts only the tokens with mask 1. Single-turn rollouts
+leave the episode columns null (every token sampled).
 """
 
 import pyarrow as pa
@@ -29,6 +36,19 @@ SAMPLING = pa.struct(
 
 GREEDY_SAMPLE_INDEX = -1
 
+#: One span of an episode (schemas/rollouts.py `turns`).
+TURN = pa.struct([
+    pa.field("role", pa.string()),  # 'model' or 'environment'
+    pa.field("start", pa.int32()),  # first position in response_token_ids
+    pa.field("end", pa.int32()),  # one past the last
+    pa.field("text", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("tool_calls", pa.list_(pa.struct([pa.field("name", pa.string()), pa.field("arguments", pa.string()),
+                                               pa.field("error", pa.string())]))),
+    pa.field("tool_results", pa.list_(pa.struct([pa.field("name", pa.string()), pa.field("content", pa.string())]))),
+    pa.field("reward", pa.float64()),
+])
+
 #: The columns the per-rollout artifacts (scores, reference, advantages) copy from rollouts: their
 #: row key, and what they repeat, declared once so types and docs cannot drift apart.
 AS_IN_ROLLOUTS = {c.name: c for c in (
@@ -43,7 +63,7 @@ AS_IN_ROLLOUTS = {c.name: c for c in (
 
 ROLLOUTS = ArtifactSchema(
     name="rollouts",
-    version=2,
+    version=3,
     doc="Sampled responses, G per prompt (a group), with behaviour-policy token log-probs.",
     columns=(
         Column("run", pa.string(), "Run name the rollouts belong to."),
@@ -87,9 +107,11 @@ ROLLOUTS = ArtifactSchema(
             "response_logprobs",
             LOGPROBS,
             "log pi_behaviour(token_t | prefix) of each generated token from raw logits "
-            "(temperature 1, no top-p/top-k processing); same length as response_token_ids. nats.",
+            "(temperature 1, no top-p/top-k processing); same length as response_token_ids; null "
+            "elements where the environment wrote the token (response_mask 0). nats.",
         ),
-        Column("finish_reason", pa.string(), "'stop' (EOS, stop id or stop string) or 'length' (hit max_new_tokens)."),
+        Column("finish_reason", pa.string(), "'stop' (EOS, stop id or stop string) or 'length' (hit max_new_tokens; "
+               "an episode: its last model turn did, or the context had no room for another turn)."),
         Column("sampling", SAMPLING, "Sampling parameters used for this response."),
         Column("engine", pa.string(), "Generation engine: 'transformers' or 'vllm'."),
         Column(
@@ -106,6 +128,21 @@ ROLLOUTS = ArtifactSchema(
             nullable=True,
             since=2,
         ),
+        Column("response_mask", pa.list_(pa.int8()), "Episodes: who wrote each token of response_token_ids, "
+               "1 the model (sampled, trained on), 0 the environment (inserted, never trained on); same "
+               "length. Null: every token was sampled (a single-turn rollout).", nullable=True, since=3),
+        Column("num_turns", pa.int32(), "Episodes: model turns taken. Null: a single-turn rollout.",
+               nullable=True, since=3),
+        Column("turns", pa.list_(TURN), "Episodes: the spans of response_token_ids in order, each "
+               "{role ('model' | 'environment'), start, end (positions, end exclusive), text (a model "
+               "turn's text; the environment's reply), finish_reason (model turns: 'stop', 'length', or "
+               "'context' when no room was left for another turn), tool_calls ({name, arguments JSON, "
+               "error} parsed from a model turn), tool_results ({name, content} of an environment "
+               "turn), reward (the environment's, if it gave one)}. Null: a single-turn rollout. (The "
+               "environment's timings are in the manifest's extra.environment: shards stay reproducible.)", nullable=True, since=3),
+        Column("environment_reward", pa.float64(), "Episodes: the sum of the rewards the environment "
+               "gave (null if it gave none); the score stage's `environment` component reads it.",
+               nullable=True, since=3),
     ),
     key=("iteration", "group_id", "sample_index"),
 )

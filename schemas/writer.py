@@ -50,9 +50,13 @@ from rlpipe.schemas.staging import open_staging, swap_into_place
 
 
 def conform(table: pa.Table | Mapping[str, Any], schema: pa.Schema, where: str) -> pa.Table:
-    """Select and order the schema's columns and cast them; errors name the column."""
+    """Select and order the schema's columns and cast them; errors name the column. A nullable
+    column left out is written as nulls (e.g. the episode columns of single-turn rollouts)."""
     if not isinstance(table, pa.Table):
         table = pa.table(dict(table))
+    for fld in schema:
+        if fld.nullable and fld.name not in table.column_names:
+            table = table.append_column(fld.name, pa.nulls(table.num_rows, fld.type))
     missing = [n for n in schema.names if n not in table.column_names]
     unexpected = [n for n in table.column_names if n not in schema.names]
     if missing or unexpected:

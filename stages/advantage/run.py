@@ -38,7 +38,17 @@ from rlpipe.stages.advantage.estimators import AdvantageInputs, compute_advantag
 from rlpipe.stages.advantage.kl import kl, kl_token_rewards, last_token_rewards, next_kl_beta
 from rlpipe.stages.advantage.stats import advantage_summary
 from rlpipe.stages.common.stage_io import StageStart, opens
-from rlpipe.stages.common.tables import KEY, align, length_mask, list_array, padded, shard_index
+from rlpipe.stages.common.tables import (
+    KEY,
+    align,
+    compact,
+    expand,
+    length_mask,
+    list_array,
+    padded,
+    sampled_mask,
+    shard_index,
+)
 
 SCORE_COLUMNS = ["run", "prompt_id", *KEY, "response_length", "reward"]
 
@@ -57,11 +67,13 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
     pairs = torch.tensor([scores.column(k).to_pylist() for k in ("iteration", "group_id")], dtype=torch.long).T
     # One id per (iteration, group_id) pair: an artifact may hold several iterations.
     group_ids = torch.unique(pairs.reshape(-1, 2), dim=0, return_inverse=True)[1] if len(rewards) else pairs[:, 0]
-    behaviour = ref_logp = values = None
+    behaviour = ref_logp = values = sampled = None
     if config.rollouts is not None:
-        rollouts = align(read_table_artifact(config.rollouts, ROLLOUTS, columns=[*KEY, "response_logprobs"]),
+        rollouts = align(read_table_artifact(config.rollouts, ROLLOUTS, columns=[*KEY, "response_logprobs",
+                                                                                 "response_mask"]),
                          scores, source=config.rollouts)
         behaviour = padded(rollouts.column("response_logprobs"), mask, what=f"{config.rollouts}: response_logprobs")
+        sampled = sampled_mask(rollouts.column("response_mask"), mask, what=f"{config.rollouts}: response_mask")
     if config.reference is not None:
         reference = align(read_table_artifact(config.reference, REFERENCE, columns=[*KEY, "ref_logprobs", "values"]),
                           scores, source=config.reference)
@@ -69,6 +81,15 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
             ref_logp = padded(reference.column("ref_logprobs"), mask, what=f"{config.reference}: ref_logprobs")
         if reference.num_rows and reference.column("values").null_count < reference.num_rows:
             values = padded(reference.column("values"), mask, what=f"{config.reference}: values")
+
+    # Episodes (multi-turn rollouts): everything below sees only the tokens the model sampled, as
+    # if the environment's had never been there (a GAE scan goes from one sampled token to the next),
+    # and the results are put back in place (0 on the environment's tokens) when written.
+    full_mask = mask
+    if sampled is not None:
+        mask = length_mask(sampled.sum(-1).long())
+        behaviour, ref_logp, values = (compact(x, sampled) if x is not None else None
+                                       for x in (behaviour, ref_logp, values))
 
     # 2. Per-token KL to the reference, and the rewards the estimator sees.
     kl_t = kl(config.kl.estimator, behaviour, ref_logp) * mask if behaviour is not None and ref_logp is not None else None
@@ -91,10 +112,13 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
         raise ConfigError(f"estimator {estimator.name!r}: {config.scores} holds no greedy baseline rows "
                          f"(sample_index {GREEDY_SAMPLE_INDEX}): sample the rollouts with `greedy_baseline: true`")
     keep = ~greedy
-    rewards, group_ids, mask, seq_rewards, token_rewards = (x[keep] for x in (rewards, group_ids, mask, seq_rewards,
-                                                                              token_rewards))
-    values, ref_logp, kl_t = (x[keep] if x is not None else None for x in (values, ref_logp, kl_t))
+    rewards, group_ids, mask, seq_rewards, token_rewards, full_mask = (
+        x[keep] for x in (rewards, group_ids, mask, seq_rewards, token_rewards, full_mask))
+    values, ref_logp, kl_t, sampled = (x[keep] if x is not None else None for x in (values, ref_logp, kl_t, sampled))
     out = compute_advantages(estimator, AdvantageInputs(seq_rewards, group_ids, mask, token_rewards, values, baselines))
+
+    def in_place(x: torch.Tensor | None) -> torch.Tensor | None:  # back to the rollouts' token positions
+        return expand(x, sampled) if x is not None and sampled is not None else x
 
     # 4. Write one shard per scores shard, same index and row order.
     knobs = estimator.model_dump(mode="json", exclude={"name"})
@@ -102,11 +126,11 @@ def run(config: AdvantageConfig, start: StageStart) -> Manifest:
                          "kl_beta": config.kl.beta}, sort_keys=True)
     columns = {
         "advantage": pa.array(out.advantages.tolist() if out.advantages is not None else [None] * len(rewards), pa.float32()),
-        "token_advantages": list_array(out.token_advantages, mask),
-        "returns": _list_or_null(out.returns, mask),
-        "values": _list_or_null(values, mask),
-        "ref_logprobs": _list_or_null(ref_logp, mask),
-        "kl": _list_or_null(kl_t, mask),
+        "token_advantages": list_array(in_place(out.token_advantages), full_mask),
+        "returns": _list_or_null(in_place(out.returns), full_mask),
+        "values": _list_or_null(in_place(values), full_mask),
+        "ref_logprobs": _list_or_null(in_place(ref_logp), full_mask),
+        "kl": _list_or_null(in_place(kl_t), full_mask),
     }
     writer = ArtifactWriter(config.output, ADVANTAGES, stage="advantage", config=config.resolved(),
                             inputs=inputs, cache_key=key)

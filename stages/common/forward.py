@@ -42,8 +42,14 @@ class PackedBatch:
         return PackedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
-    """Concatenate each prompt with its response and right-pad to one length."""
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+         sampled: Sequence[Sequence[float]] | None = None) -> PackedBatch:
+    """Concatenate each prompt with its response and right-pad to one length.
+
+    `sampled` (episodes): per response token 1 where the model sampled it, 0 where an environment
+    wrote it; `mask` is then 0 on the environment's tokens too, so that no log-prob, entropy or
+    loss term is taken over them (they stay in the input: later tokens are conditioned on them).
+    """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
@@ -65,6 +71,9 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     t = torch.arange(T).unsqueeze(0)
     mask = (t < T_b.unsqueeze(1)).float()
     positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
+    if sampled is not None:
+        for b, m in enumerate(sampled):
+            mask[b, : len(m)] *= torch.as_tensor(np.asarray(m, dtype=np.float32))
     return PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b)
 
 

@@ -65,8 +65,48 @@ def padded(column: pa.ChunkedArray | pa.Array, mask: torch.Tensor, *, what: str)
         b = int(bad[0])
         raise ValueError(f"{what}: row {b} has {lengths[b]} values, expected {expected[b]} (the response length)")
     out = torch.zeros(mask.shape, dtype=torch.float64)
-    values = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=np.float64)
+    # Null elements are the tokens an environment wrote (response_logprobs of an episode): 0 here,
+    # and masked out by every reader (`sampled_mask`).
+    values = np.asarray(column.flatten().fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
     out[mask.bool()] = torch.from_numpy(values)  # row-major order of a prefix mask = flatten order
+    return out
+
+
+def sampled_mask(column: pa.ChunkedArray | pa.Array, mask: torch.Tensor, *, what: str) -> torch.Tensor | None:
+    """The rollouts' `response_mask` column as a (B, T) float64 tensor (1 where the model sampled
+    the token, 0 where an environment wrote it or on padding); a null row is all sampled. None when
+    every row is null (single-turn rollouts)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], type=pa.list_(pa.int8()))
+    if column.null_count == len(column):
+        return None
+    lengths = mask.sum(-1).long().numpy()
+    rows = [[1] * int(n) if m is None else m for m, n in zip(column.to_pylist(), lengths, strict=True)]
+    bad = [b for b, (m, n) in enumerate(zip(rows, lengths, strict=True)) if len(m) != n]
+    if bad:
+        raise ValueError(f"{what}: row {bad[0]} has {len(rows[bad[0]])} mask values, expected {lengths[bad[0]]} "
+                         "(the response length)")
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    out[mask.bool()] = torch.tensor([v for m in rows for v in m], dtype=torch.float64)
+    return out
+
+
+def compact(x: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """The sampled entries of each row of x, left-aligned: (B, T) -> (B, max_b sum_t sampled[b, t]).
+
+    An episode's environment tokens then do not exist for the math that follows (a KL sum, a GAE
+    scan runs from one sampled token to the next); `expand` puts the results back in place.
+    """
+    width = int(sampled.sum(-1).max()) if sampled.numel() else 0
+    out = x.new_zeros((x.shape[0], width))
+    out[length_mask(sampled.sum(-1).long()).bool()] = x[sampled.bool()]
+    return out
+
+
+def expand(x: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """The inverse of `compact`: (B, T') -> (B, T), 0 where sampled is 0."""
+    out = x.new_zeros(sampled.shape)
+    out[sampled.bool()] = x[length_mask(sampled.sum(-1).long()).bool()]
     return out
 
 

@@ -36,6 +36,9 @@ class Batch:
     reward: np.ndarray
     group_id: np.ndarray
     truncated: np.ndarray
+    sampled: list[np.ndarray] | None = None
+    """Episodes: per token 1.0 where the model sampled it, 0.0 where the environment wrote it (the
+    rollouts' response_mask); None when every token was sampled. Only sampled tokens are trained."""
 
     @property
     def iteration(self) -> int:
@@ -45,8 +48,19 @@ class Batch:
         return len(self.keys)
 
     def lengths(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """Tokens per response (an episode's environment tokens included)."""
         rows = range(len(self)) if rows is None else rows
         return np.array([len(self.response_ids[i]) for i in rows], dtype=np.int64)
+
+    def sampled_lengths(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """Tokens per response the model sampled: those the loss counts."""
+        if self.sampled is None:
+            return self.lengths(rows)
+        rows = range(len(self)) if rows is None else rows
+        return np.array([int(self.sampled[i].sum()) for i in rows], dtype=np.int64)
+
+    def sampled_rows(self, rows: Sequence[int] | np.ndarray) -> list[np.ndarray] | None:
+        return None if self.sampled is None else [self.sampled[i] for i in rows]
 
 
 def _keys(table) -> list[tuple[int, int, int]]:
@@ -55,9 +69,10 @@ def _keys(table) -> list[tuple[int, int, int]]:
 
 
 def _floats(column, name: str, path: Path, keys, lengths) -> list[np.ndarray]:
+    """Per-token floats; null elements (an episode's environment tokens in response_logprobs) are 0."""
     out = []
     for i, x in enumerate(column.to_pylist()):
-        arr = np.asarray(x, dtype=np.float32)
+        arr = np.asarray([0.0 if v is None else v for v in x], dtype=np.float32)
         if len(arr) != lengths[i]:
             raise ValueError(
                 f"{path}: row {keys[i]} column {name!r} has {len(arr)} values but the response has "
@@ -129,7 +144,23 @@ def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, 
         reward=np.asarray(adv.column("reward"), dtype=np.float64),
         group_id=np.asarray(ro.column("group_id")),
         truncated=np.asarray(ro.column("finish_reason").to_pylist()) == "length",
+        sampled=_sampled(ro.column("response_mask"), rollouts, keys, lengths),
     )
+
+
+def _sampled(column, path: Path, keys, lengths) -> list[np.ndarray] | None:
+    """The rollouts' response_mask as float arrays (a null row: every token sampled); None when all
+    rows are null."""
+    if column.null_count == len(column):
+        return None
+    out = []
+    for i, m in enumerate(column.to_pylist()):
+        arr = np.ones(lengths[i], dtype=np.float32) if m is None else np.asarray(m, dtype=np.float32)
+        if len(arr) != lengths[i]:
+            raise ValueError(f"{path}: row {keys[i]} column 'response_mask' has {len(arr)} values but the "
+                             f"response has {lengths[i]} tokens")
+        out.append(arr)
+    return out
 
 
 def pad_rows(arrays: Sequence[np.ndarray], rows: Sequence[int] | np.ndarray, width: int) -> torch.Tensor:

@@ -199,7 +199,8 @@ def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_
 
 
 def _pack(E: Any, batch: Batch, rows: np.ndarray, pad_id: int):
-    packed = pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad_id)
+    packed = pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad_id,
+                  sampled=batch.sampled_rows(rows))
     return packed.to(E.device())
 
 
@@ -208,7 +209,7 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
                 pad_id: int, max_len: int) -> dict[str, float]:
     """One optimizer step of the policy (and critic) over this rank's micro-batches."""
     dev = E.device()
-    lengths = batch.lengths(np.concatenate(micro_batches))
+    lengths = batch.sampled_lengths(np.concatenate(micro_batches))
     # The step's global token and sequence counts, all-reduced before any backward pass: every
     # micro-batch's loss is divided by them, so the step's gradient is split-invariant.
     counts = E.all_reduce(torch.tensor([lengths.sum(), (lengths > 0).sum()], dtype=torch.float64, device=dev))
@@ -278,7 +279,7 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
 
 def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bool) -> list[tuple[int, str, float]]:
     """Once-per-stage metrics (step 0): lengths, rewards, truncation, zero-variance groups, log-prob gap."""
-    lengths = batch.lengths()
+    lengths = batch.sampled_lengths()
     groups: dict[int, list[float]] = defaultdict(list)
     for g, r in zip(batch.group_id.tolist(), batch.reward.tolist(), strict=False):
         groups[g].append(r)
@@ -293,7 +294,8 @@ def _batch_metrics(batch: Batch, old_logp: dict[int, np.ndarray], recomputed: bo
     ]
     if recomputed:
         # rollout engine vs trainer log-probs of the same tokens (numerics, sampling processing)
-        gap = np.concatenate([np.abs(batch.rollout_logp[i] - old_logp[i]) for i in range(len(batch))])
+        gap = np.concatenate([np.abs(batch.rollout_logp[i] - old_logp[i])[batch.sampled[i] > 0] if batch.sampled
+                              else np.abs(batch.rollout_logp[i] - old_logp[i]) for i in range(len(batch))])
         rows += [(0, "logprob_gap_mean_abs", float(gap.mean()) if gap.size else 0.0),
                  (0, "logprob_gap_max_abs", float(gap.max()) if gap.size else 0.0)]
     return rows

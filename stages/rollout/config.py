@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from rlpipe.schemas.config import Assigned, Input, Output
 from rlpipe.schemas.sharded import ShardedConfig
+from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
 class RolloutConfig(ShardedConfig):
@@ -68,6 +69,13 @@ class RolloutConfig(ShardedConfig):
     oversample: float = Field(1.0, ge=1.0, le=100.0, allow_inf_nan=False)
     """Dynamic sampling: generate ceil(num_prompts * oversample) groups (the next prompts in
     order), so that a `filter` stage dropping groups can still keep num_prompts of them."""
+
+    environment: EnvironmentSpec | None = None
+    """Multi-turn episodes (docs/design.md#multi-turn): the environment that answers each model turn
+    ({name: tools, kwargs: {tools: [calculator]}, max_turns: 4}, or function: 'pkg.module:make').
+    max_new_tokens then bounds each model turn; the environment's replies are inserted with the
+    chat template (chat_template) or as raw text, and are never trained on. None: one response
+    per sample."""
 
     num_prompts: Annotated[int | None, Assigned()] = Field(None, ge=1)
     """Groups to generate (times `oversample`): prompts taken in artifact order from

@@ -76,6 +76,7 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
     )
     # ReMax's baseline: one greedy response per prompt (no randomness: the seed plays no part).
     greedy = replace(params, group_size=1, temperature=0.0, top_p=1.0, top_k=0) if config.greedy_baseline else None
+    episodes = _episode_runner(engine, config) if config.environment is not None else None
     files, gen_s, n_tokens = [], 0.0, 0
     who = "" if config.worker_index is None else f" worker {config.worker_index}/{config.worker_count}"
     with progress(f"rollout ({config.engine}){who}: groups", sum(len(shards[k]) for k in mine)) as advance:
@@ -85,11 +86,18 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
                 ids = range(start, min(start + config.batch_size, shards[k].stop))
                 seeds = [group_seed(config.seed, config.iteration, g) for g in ids]
                 t0 = time.perf_counter()
-                samples = engine.generate([token_ids[g] for g in ids], seeds, params)
-                baselines = engine.generate([token_ids[g] for g in ids], seeds, greedy) if greedy else [[]] * len(ids)
+                if episodes is None:
+                    samples = [[_sample_row(s) for s in group]
+                               for group in engine.generate([token_ids[g] for g in ids], seeds, params)]
+                    baselines = ([[_sample_row(s) for s in group]
+                                  for group in engine.generate([token_ids[g] for g in ids], seeds, greedy)]
+                                 if greedy else [[]] * len(ids))
+                else:
+                    samples = episodes([groups[g] for g in ids], seeds, params)
+                    baselines = episodes([groups[g] for g in ids], seeds, greedy) if greedy else [[]] * len(ids)
                 gen_s += time.perf_counter() - t0
                 for g, seed, group, baseline in zip(ids, seeds, samples, baselines, strict=True):
-                    n_tokens += sum(len(s.token_ids) for s in [*baseline, *group])
+                    n_tokens += sum(len(s["response_token_ids"]) for s in [*baseline, *group])
                     _append_group(rows, config, g, groups[g], token_ids[g], seed, group, baseline)
                 advance(len(ids))
             files.append(writer.write_shard(pa.table(rows), index=k))
@@ -100,6 +108,8 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
     timing = {"generate_s": round(gen_s, 3), "generated_tokens": n_tokens,
               "tokens_per_s": round(n_tokens / gen_s, 1) if gen_s else None,
               "engine_start_s": round(engine.start_s, 3), "model_load": engine.model_load}
+    if episodes is not None:  # the environment's share of generate_s
+        timing |= {k: round(v, 6) for k, v in episodes.timing.items()}
     if config.worker_index is None:
         return writer.commit(extra=_summary(writer.staging, writer) | {"timing": timing, "sampled_by": sampled_by},
                              wall_time_s=time.time() - started)
@@ -174,24 +184,61 @@ def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> li
     return out
 
 
+def _sample_row(s: Sample) -> dict[str, Any]:
+    """The response columns of a single-turn sample (the episode columns null)."""
+    return {"response": s.text, "response_token_ids": s.token_ids, "response_logprobs": s.logprobs,
+            "finish_reason": s.finish_reason}
+
+
+def _episode_runner(engine, config: RolloutConfig):
+    """`(rows, seeds, params) -> [[episode row columns] per group]`: `config.environment`'s episodes."""
+    from rlpipe.stages.rollout.environments.base import make_environment
+    from rlpipe.stages.rollout.environments.episode import (
+        ChatTurns,
+        TextTurns,
+        episode_columns,
+        run_episodes,
+    )
+
+    spec = config.environment
+    try:
+        make = make_environment(spec)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"rollout environment: {e}") from None
+    if _use_chat_template(engine, [], config):
+        turns = ChatTurns(engine.tokenizer, getattr(make(), "schemas", None), config.system_prompt)
+    else:
+        turns = TextTurns(engine.tokenizer)
+
+    def episodes(rows, seeds, params):
+        groups = run_episodes(engine, rows, seeds, params, make, turns, spec.max_turns)
+        steps = [t for group in groups for ep in group for t in ep.step_seconds]
+        timing["environment_steps"] += len(steps)
+        timing["environment_s"] += sum(steps)
+        timing["environment_step_max_s"] = max([timing["environment_step_max_s"], *steps])
+        return [[episode_columns(ep, engine.tokenizer) for ep in group] for group in groups]
+    timing = {"environment_steps": 0, "environment_s": 0.0, "environment_step_max_s": 0.0}
+    episodes.timing = timing
+    return episodes
+
+
 def _append_group(rows: dict[str, list[Any]], config: RolloutConfig, group_id: int, prompt: dict[str, Any],
-                  prompt_ids: list[int], seed: int, group: list[Sample], greedy: list[Sample]) -> None:
-    """The group's rows in sample_index order: its greedy baseline (-1) if any, then samples 0..G-1."""
+                  prompt_ids: list[int], seed: int, group: list[dict[str, Any]], greedy: list[dict[str, Any]]) -> None:
+    """The group's rows in sample_index order: its greedy baseline (-1) if any, then samples 0..G-1.
+    `group` and `greedy` hold each response's own columns (`_sample_row`, `episode_columns`)."""
     sampled = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                "max_new_tokens": config.max_new_tokens}
     argmax = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.max_new_tokens}
-    for i, s, sampling in [*((GREEDY_SAMPLE_INDEX, s, argmax) for s in greedy),
-                           *((i, s, sampled) for i, s in enumerate(group))]:
-        for col, value in (
-            ("run", config.run), ("iteration", config.iteration),
-            ("policy_version", config.policy_version), ("prompt_id", prompt["prompt_id"]),
-            ("group_id", group_id), ("sample_index", i), ("prompt", prompt["prompt"]),
-            ("prompt_token_ids", prompt_ids), ("answer", prompt["answer"]), ("response", s.text),
-            ("response_token_ids", s.token_ids), ("response_logprobs", s.logprobs),
-            ("finish_reason", s.finish_reason), ("sampling", sampling), ("engine", config.engine),
-            ("seed", seed), ("metadata", prompt["metadata"]),
-        ):
-            rows[col].append(value)
+    for i, response, sampling in [*((GREEDY_SAMPLE_INDEX, s, argmax) for s in greedy),
+                                  *((i, s, sampled) for i, s in enumerate(group))]:
+        common = {
+            "run": config.run, "iteration": config.iteration, "policy_version": config.policy_version,
+            "prompt_id": prompt["prompt_id"], "group_id": group_id, "sample_index": i, "prompt": prompt["prompt"],
+            "prompt_token_ids": prompt_ids, "answer": prompt["answer"], "sampling": sampling,
+            "engine": config.engine, "seed": seed, "metadata": prompt["metadata"],
+        }
+        for col in ROLLOUTS.column_names:  # an episode's opening replaces the prompt's tokens
+            rows[col].append(response[col] if col in response else common.get(col))
 
 
 def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
@@ -199,7 +246,7 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    cols = ["group_id", "sample_index", "response_token_ids", "finish_reason"]
+    cols = ["group_id", "sample_index", "response_token_ids", "finish_reason", "response_mask", "num_turns", "turns"]
     tables = [pq.read_table(p, columns=cols) for p in sorted(Path(path).glob("part-*.parquet"))]
     if not tables:
         return {"groups": 0, "samples": 0, "response_tokens": 0, "length_fraction": 0.0}
@@ -215,5 +262,20 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
         "response_length_mean": round(float(pc.mean(lengths).as_py() or 0.0), 3),
         "length_fraction": round(float(pc.sum(pc.equal(t["finish_reason"], "length")).as_py()) / n, 4),
         **({"greedy_rows": greedy_rows} if greedy_rows else {}),
+        **(_episode_summary(t) if t["num_turns"].null_count < n else {}),
+    }
+
+
+def _episode_summary(t: pa.Table) -> dict[str, Any]:
+    """Turns, sampled tokens and tool calls of the episodes in `t`."""
+    import pyarrow.compute as pc
+
+    turns = pc.list_flatten(t["turns"])
+    calls = pc.list_flatten(pc.struct_field(turns, "tool_calls"))
+    return {
+        "turns_mean": round(float(pc.mean(t["num_turns"]).as_py()), 3),
+        "sampled_tokens": int(pc.sum(pc.list_flatten(t["response_mask"])).as_py() or 0),
+        "tool_calls": len(calls),
+        "tool_call_errors": int(pc.sum(pc.is_valid(pc.struct_field(calls, "error"))).as_py() or 0) if len(calls) else 0,
     }
 

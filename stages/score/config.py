@@ -37,7 +37,8 @@ class RewardModelComponent(_Component):
 
 
 class AnswerMatchComponent(_Component):
-    """1.0 if the answer extracted from the response matches the reference answer, else 0.0."""
+    """1.0 if the answer extracted from the response matches the reference answer, else 0.0 (an
+    episode's answer is in its last model turn)."""
 
     type: Literal["answer_match"] = "answer_match"
     mode: Literal["exact", "numeric"] = "numeric"
@@ -130,8 +131,16 @@ class PythonComponent(_Component):
     cross a pipe, so they must pickle."""
 
 
+class EnvironmentComponent(_Component):
+    """The reward the rollout's environment gave the episode (rollout.environment; the sum over its
+    steps, 0.0 where it gave none): the rollouts' `environment_reward` column."""
+
+    type: Literal["environment"] = "environment"
+
+
 Component = Annotated[
-    RewardModelComponent | AnswerMatchComponent | RegexFormatComponent | OverlongComponent | PythonComponent,
+    RewardModelComponent | AnswerMatchComponent | RegexFormatComponent | OverlongComponent | PythonComponent
+    | EnvironmentComponent,
     Field(discriminator="type"),
 ]
 
@@ -145,7 +154,9 @@ class ScoreConfig(ShardedConfig):
     """Output `scores` artifact (one shard per rollouts shard, same index)."""
     components: list[Component] = Field(min_length=1)
     """Reward components, each {name, type, weight, ...}; type: reward_model | answer_match |
-    regex_format | overlong | python."""
+    regex_format | overlong | python | environment. On episodes (multi-turn rollouts) answer_match
+    checks the last model turn's text, overlong counts the tokens the model sampled, the others see
+    the whole episode's text (a python function that names a `turns` keyword also gets the turns)."""
     seed: int = 0
     """Unused by the built-in components (all deterministic); recorded for user functions."""
 

@@ -45,7 +45,8 @@ from rlpipe.stages.score.scorers import Rows, ScoreError, build_scorer, run_scor
 STAGE = "score"
 #: Identity columns a scores row copies from its rollouts row: the join key (the schemas') + run, prompt_id.
 KEYS = ("run", "prompt_id", *SCORES.key)
-READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason", "metadata")
+READ = (*KEYS, "prompt", "answer", "response", "response_token_ids", "finish_reason", "metadata", "response_mask",
+        "turns", "environment_reward")
 
 
 def shard_index(name: str) -> int:
@@ -104,16 +105,32 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
 
 
 def _rows(shard: Path, table: pa.Table) -> Rows:
+    lengths = pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False)
+    episodes = table.column("turns").null_count < table.num_rows
+    turns = table.column("turns").to_pylist() if episodes else None
+    if episodes:  # the tokens the model sampled (a null mask: all of them)
+        masks = table.column("response_mask").to_pylist()
+        lengths = np.array([n if m is None else sum(m) for m, n in zip(masks, lengths, strict=True)])
+    responses = table.column("response").to_pylist()
     return Rows(
         shard=shard,
         prompts=table.column("prompt").to_pylist(),
-        responses=table.column("response").to_pylist(),
+        responses=responses,
         answers=table.column("answer").to_pylist(),
-        lengths=pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False),
+        lengths=lengths,
         group_ids=table.column("group_id").to_pylist(),
         sample_indices=table.column("sample_index").to_pylist(),
         metadata=_metadata(shard, table),
+        final_responses=[_final_text(t, r) for t, r in zip(turns, responses, strict=True)] if episodes else None,
+        turns=turns,
+        environment_rewards=table.column("environment_reward").to_pylist() if episodes else None,
     )
+
+
+def _final_text(turns: list[dict[str, Any]] | None, response: str) -> str:
+    """An episode's last model turn's text (a single-turn row: its response)."""
+    model = [t for t in turns or () if t["role"] == "model"]
+    return model[-1]["text"] if model else response
 
 
 def _metadata(shard: Path, table: pa.Table) -> list[dict[str, Any]]:

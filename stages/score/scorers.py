@@ -34,12 +34,23 @@ class Rows:
     responses: list[str]
     answers: list[str | None]
     lengths: np.ndarray
-    """Response lengths in tokens, (N,) int."""
+    """Response lengths in tokens the model sampled (an episode's environment tokens left out), (N,) int."""
     group_ids: list[int]
     sample_indices: list[int]
     metadata: list[dict[str, Any]]
     """Each row's prompt metadata (the prompts artifact's JSON object: test cases, choices, a
     reference solution, ...), {} where the prompt has none: what a verifier needs beyond `answers`."""
+    final_responses: list[str] | None = None
+    """Episodes: the text of each row's last model turn (its final answer); None: `responses`."""
+    turns: list[list[dict[str, Any]] | None] | None = None
+    """Episodes: each row's turns (schemas/rollouts.py), None for a single-turn row."""
+    environment_rewards: list[float | None] | None = None
+    """Episodes: the reward the environment gave each row (None where it gave none)."""
+
+    @property
+    def answers_in(self) -> list[str]:
+        """The text a verifier checks: an episode's final model turn, else the response."""
+        return self.final_responses if self.final_responses is not None else self.responses
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -100,7 +111,7 @@ def run_scorer(component: Any, scorer: Scorer, rows: Rows) -> np.ndarray:
 def answer_match_scorer(c: Any) -> Scorer:
     def score(rows: Rows) -> list[float]:
         out = []
-        for i, (response, answer) in enumerate(zip(rows.responses, rows.answers, strict=True)):
+        for i, (response, answer) in enumerate(zip(rows.answers_in, rows.answers, strict=True)):
             if answer is None:
                 if c.missing_answer == "error":
                     raise ScoreError(c, rows.shard, rows.where(i),
@@ -157,15 +168,16 @@ def reward_model_scorer(c: Any) -> Scorer:
     return score
 
 
-def accepts_metadata(fn: Callable[..., Any]) -> bool:
-    """Whether a user reward function takes a `metadata` keyword (by name, or through **kwargs):
-    functions written before metadata reached the score stage are called without it."""
+def accepts_metadata(fn: Callable[..., Any], name: str = "metadata", *, through_var_kw: bool = True) -> bool:
+    """Whether a user reward function takes keyword `name` (by name, or through **kwargs unless
+    `through_var_kw` is false): functions written before `metadata` (or `turns`) reached the score
+    stage are called without it."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return False
-    return any(p.name == "metadata" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               or p.kind is p.VAR_KEYWORD for p in params)
+    return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or through_var_kw and p.kind is p.VAR_KEYWORD for p in params)
 
 
 @register("python")
@@ -175,8 +187,11 @@ def python_scorer(c: Any) -> Scorer:
     except ValueError as e:
         raise ScoreError(c, None, "", str(e)) from None
     with_metadata = accepts_metadata(fn)
-    if with_metadata and "metadata" in c.kwargs:
-        raise ScoreError(c, None, "", f"{c.function} takes the rows' `metadata`; kwargs may not set it too")
+    # An episode's turns go only to a function that names `turns` (not through **kwargs).
+    with_turns = accepts_metadata(fn, "turns", through_var_kw=False)
+    for name, given in (("metadata", with_metadata), ("turns", with_turns)):
+        if given and name in c.kwargs:
+            raise ScoreError(c, None, "", f"{c.function} takes the rows' `{name}`; kwargs may not set it too")
     fn = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
 
     def score(rows: Rows) -> list[float]:
@@ -184,6 +199,8 @@ def python_scorer(c: Any) -> Scorer:
         for a in range(0, len(rows), c.batch_size):
             b = min(a + c.batch_size, len(rows))
             extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
+            if with_turns:
+                extra["turns"] = list(rows.turns[a:b]) if rows.turns is not None else [None] * (b - a)
             try:
                 values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
                 values = list(values)
@@ -200,5 +217,18 @@ def python_scorer(c: Any) -> Scorer:
                     raise ScoreError(c, rows.shard, rows.where(a + j), f"{c.function} returned {x}")
                 out.append(x)
         return out
+
+    return score
+
+
+@register("environment")
+def environment_scorer(c: Any) -> Scorer:
+    """The reward the rollout's environment gave each episode (0.0 where it gave none)."""
+
+    def score(rows: Rows) -> list[float]:
+        if rows.environment_rewards is None:
+            raise ScoreError(c, rows.shard, "", "the rollouts are not episodes (no environment_reward): an "
+                             "`environment` component needs rollouts made with rollout.environment")
+        return [0.0 if r is None else r for r in rows.environment_rewards]
 
     return score

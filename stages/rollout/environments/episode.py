@@ -20,13 +20,16 @@ of (group seed, sample, turn). Same seed, same episodes.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlpipe.schemas.errors import DataError
 from rlpipe.stages.rollout.engines import Engine, Sample, SamplingSpec
 from rlpipe.stages.rollout.environments.base import Environment, ModelTurn, StepResult
-from rlpipe.stages.rollout.environments.tools import parse_tool_calls
+from rlpipe.stages.rollout.environments.tools import parse_tool_calls, tool_response_text
 
 # ---- how turns become tokens -------------------------------------------------------------------
 
@@ -40,8 +43,8 @@ class ChatTurns:
     #: The conversation the reply is rendered after (its content never reaches a sequence).
     _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
-        self.tokenizer, self.tools = tokenizer, tools or None
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, system_prompt: str | None = None):
+        self.tokenizer, self.tools, self.system_prompt = tokenizer, tools or None, system_prompt
         before = self._render(self._BASE, generation_prompt=False)
         # What the template writes after an assistant turn's content (e.g. '<|im_end|>\n').
         self.turn_end = before[before.rindex("a") + 1:]
@@ -52,6 +55,8 @@ class ChatTurns:
                                                   add_generation_prompt=generation_prompt)
 
     def opening(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return _ids(self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True,
                                                        add_generation_prompt=True))
 
@@ -78,8 +83,7 @@ class TextTurns:
         return _ids(self.tokenizer(text))
 
     def reply(self, messages: Sequence[dict[str, Any]], sampled: list[int]) -> list[int]:
-        blocks = [f"<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else m["content"]
-                  for m in messages]
+        blocks = [tool_response_text(m["content"]) if m["role"] == "tool" else m["content"] for m in messages]
         return _ids(self.tokenizer("\n" + "\n".join(blocks) + "\n", add_special_tokens=False))
 
 
@@ -92,6 +96,7 @@ class Turn:
     role: str  # 'model' or 'environment'
     start: int
     end: int
+    text: str = ""
     finish_reason: str | None = None  # model turns: 'stop', 'length'; 'context' when the window ran out
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)  # environment turns: its reply
@@ -109,6 +114,7 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # None where the environment wrote
     turns: list[Turn] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # how long each environment step took
     done: bool = False
 
     @property
@@ -120,24 +126,25 @@ class Episode:
         rewards = [t.reward for t in self.turns if t.reward is not None]
         return sum(rewards) if rewards else None
 
-    def add_model_turn(self, sample: Sample, finish_reason: str) -> ModelTurn:
+    def add_model_turn(self, sample: Sample, text: str) -> ModelTurn:
+        """Append a sampled turn; `text` is its tokens decoded (a stop string that ended it included)."""
         start = len(self.token_ids)
         self.token_ids += sample.token_ids
         self.mask += [1] * len(sample.token_ids)
         self.logprobs += sample.logprobs
-        calls = parse_tool_calls(sample.text)
-        self.turns.append(Turn("model", start, len(self.token_ids), finish_reason,
+        calls = parse_tool_calls(text)
+        self.turns.append(Turn("model", start, len(self.token_ids), text, sample.finish_reason,
                                tool_calls=[{"name": c.name, "arguments": c.arguments, "error": c.error}
                                            for c in calls]))
-        self.messages.append({"role": "assistant", "content": sample.text})
-        return ModelTurn(sample.text, calls, finish_reason)
+        self.messages.append({"role": "assistant", "content": text})
+        return ModelTurn(text, calls, sample.finish_reason)
 
-    def add_environment_turn(self, result: StepResult, reply_ids: list[int]) -> None:
+    def add_environment_turn(self, result: StepResult, reply_ids: list[int], text: str) -> None:
         start = len(self.token_ids)
         self.token_ids += reply_ids
         self.mask += [0] * len(reply_ids)
         self.logprobs += [None] * len(reply_ids)
-        self.turns.append(Turn("environment", start, len(self.token_ids), messages=list(result.messages),
+        self.turns.append(Turn("environment", start, len(self.token_ids), text, messages=list(result.messages),
                                reward=result.reward))
         self.messages += result.messages
 
@@ -159,6 +166,11 @@ def run_episodes(engine: Engine, rows: Sequence[dict[str, Any]], group_seeds: Se
             env = make_environment()
             messages = env.reset(row)
             episodes.append(Episode(turns.opening(messages), env, list(messages)))
+        need = len(episodes[0].prompt_ids) + params.max_new_tokens
+        if need > engine.context_length:
+            raise DataError(f"prompt {row.get('prompt_id')!r}: its opening is {len(episodes[0].prompt_ids)} tokens "
+                            f"+ max_new_tokens {params.max_new_tokens} = {need} > the model's context of "
+                            f"{engine.context_length} tokens")
         groups.append(episodes)
     # Turn 1: G samples per prompt from the group's seed (the group's prompts are the same).
     first = engine.generate([g[0].prompt_ids for g in groups], list(group_seeds), params)
@@ -178,16 +190,50 @@ def run_episodes(engine: Engine, rows: Sequence[dict[str, Any]], group_seeds: Se
 
 def _advance(pairs: list[tuple[Episode, Sample]], engine: Engine, turns: ChatTurns | TextTurns, max_turns: int,
              params: SamplingSpec) -> None:
-    """Add each sampled turn, let its environment answer, and end the episodes that are over."""
+    """Add each sampled turn, let its environment answer, and end the episodes that are over.
+
+    An episode always ends on a model turn: when the environment's reply would leave no room for
+    another turn of max_new_tokens in the context, the reply is not inserted and the last model
+    turn's finish reason is 'context'.
+    """
     for ep, sample in pairs:
-        said = ep.add_model_turn(sample, sample.finish_reason)
+        said = ep.add_model_turn(sample, turns.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
+        started = time.perf_counter()
         result = ep.environment.step(said)
+        ep.step_seconds.append(time.perf_counter() - started)
         if result.done or ep.model_turns >= max_turns:
-            ep.turns[-1].reward = result.reward
+            if result.reward is not None:
+                ep.turns[-1].reward = result.reward
             ep.done = True
             continue
         reply = turns.reply(result.messages, sample.token_ids)
-        ep.add_environment_turn(result, reply)
-        if len(ep.prompt_ids) + len(ep.token_ids) + params.max_new_tokens > engine.context_length:
-            ep.turns[-1].finish_reason = "context"  # no room for another model turn
+        if len(ep.prompt_ids) + len(ep.token_ids) + len(reply) + params.max_new_tokens > engine.context_length:
+            ep.turns[-1].finish_reason = "context"  # no room for the reply and another model turn
             ep.done = True
+            continue
+        ep.add_environment_turn(result, reply, turns.tokenizer.decode(reply, skip_special_tokens=True))
+
+
+def episode_columns(ep: Episode, tokenizer: Any) -> dict[str, Any]:
+    """An episode's columns of the rollouts schema (schemas/rollouts.py, version 3)."""
+    model = [t for t in ep.turns if t.role == "model"]
+    rewards = [t.reward for t in ep.turns if t.reward is not None]
+    return {
+        "prompt_token_ids": ep.prompt_ids,
+        "response": tokenizer.decode(ep.token_ids, skip_special_tokens=True),
+        "response_token_ids": ep.token_ids,
+        "response_logprobs": ep.logprobs,
+        "response_mask": ep.mask,
+        # the row's: its last model turn's ('context' is a truncation as 'length' is)
+        "finish_reason": "length" if model[-1].finish_reason == "context" else model[-1].finish_reason,
+        "num_turns": len(model),
+        "turns": [{
+            "role": t.role, "start": t.start, "end": t.end, "text": t.text, "finish_reason": t.finish_reason,
+            "tool_calls": [{"name": c["name"], "arguments": json.dumps(c["arguments"], sort_keys=True),
+                            "error": c["error"]} for c in t.tool_calls],
+            "tool_results": [{"name": m.get("name"), "content": m.get("content")} for m in t.messages
+                             if m.get("role") == "tool"],
+            "reward": t.reward,
+        } for t in ep.turns],
+        "environment_reward": sum(rewards) if rewards else None,
+    }

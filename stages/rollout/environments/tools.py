@@ -33,6 +33,16 @@ from rlpipe.stages.rollout.environments.base import ModelTurn, StepResult, ToolC
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call as a model writes it (what `parse_tool_calls` reads back)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def tool_response_text(content: str) -> str:
+    """A tool's result as a raw-text episode shows it to the model (`TextTurns`)."""
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
 def parse_tool_calls(text: str) -> tuple[ToolCall, ...]:
     """The tool calls in a model turn, in order; a malformed one carries its `error`."""
     calls = []

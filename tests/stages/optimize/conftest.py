@@ -10,11 +10,16 @@ import pytest
 
 
 def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int = 4, seed: int = 0,
-                    with_values: bool = False, with_ref: bool = False, iteration: int = 0) -> dict[str, Path]:
+                    with_values: bool = False, with_ref: bool = False, iteration: int = 0,
+                    environment: float | None = None) -> dict[str, Path]:
     """rollouts/ and advantages/ under `root`: responses of 2-7 random tokens; advantage +1 for even
     sample_index, -1 for odd (broadcast over tokens); reward = advantage. Positive responses draw
     their tokens from one half of the vocabulary and negative ones from the other, so a policy
-    update can raise every positive response and lower every negative one."""
+    update can raise every positive response and lower every negative one.
+
+    `environment` (episodes): 3 tokens an environment wrote are inserted after the first sampled
+    one (response_mask 0 there), and every per-token number there (log-probs, advantages, returns,
+    values, reference log-probs) is `environment` (0.0: the rollout log-probs null, as written)."""
     from rlpipe.schemas import ADVANTAGES, ROLLOUTS, write_table_artifact
 
     rng = np.random.default_rng(seed)
@@ -29,19 +34,29 @@ def build_artifacts(root: Path, tokenizer, *, groups: int = 4, group_size: int =
             half = vocab[: len(vocab) // 2] if s % 2 == 0 else vocab[len(vocab) // 2:]
             resp = [int(x) for x in rng.choice(half, size=n)]
             a = 1.0 if s % 2 == 0 else -1.0
+            logp = (-rng.random(n) * 5).tolist()
+            ref = (-rng.random(n) * 5).tolist() if with_ref else [0.0] * n
+            mask, tokens, values = None, [a] * n, [0.0] * n
+            if environment is not None:
+                e, k = environment, 1
+                resp = resp[:k] + vocab[:3] + resp[k:]
+                logp = logp[:k] + [e or None] * 3 + logp[k:]
+                ref, tokens, values = (x[:k] + [e] * 3 + x[k:] for x in (ref, tokens, values))
+                mask, n = [1] * k + [0] * 3 + [1] * (n - k), n + 3
             for k, v in dict(run="t", iteration=iteration, policy_version=0, prompt_id=f"p{g}", group_id=g,
                              sample_index=s, prompt=prompt, prompt_token_ids=prompt_ids, answer=None,
                              response=tokenizer.decode(resp), response_token_ids=resp,
-                             response_logprobs=(-rng.random(n) * 5).tolist(),
-                             finish_reason="length" if n == 7 else "stop",
+                             response_logprobs=logp,
+                             finish_reason="length" if len(resp) == 7 else "stop",
                              sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=7),
-                             engine="transformers", seed=seed, metadata=None).items():
+                             engine="transformers", seed=seed, metadata=None, response_mask=mask, num_turns=None,
+                             turns=None, environment_reward=None).items():
                 ro[k].append(v)
             for k, v in dict(run="t", iteration=iteration, prompt_id=f"p{g}", group_id=g, sample_index=s,
-                             reward=a, advantage=a, token_advantages=[a] * n,
-                             returns=[a] * n if with_values else None,
-                             values=[0.0] * n if with_values else None,
-                             ref_logprobs=(-rng.random(n) * 5).tolist() if with_ref else None,
+                             reward=a, advantage=a, token_advantages=tokens,
+                             returns=tokens if with_values else None,
+                             values=values if with_values else None,
+                             ref_logprobs=ref if with_ref else None,
                              kl=None, estimator="synthetic", estimator_params=json.dumps({})).items():
                 adv[k].append(v)
     out = {"rollouts": root / "rollouts", "advantages": root / "advantages"}

@@ -231,3 +231,24 @@ def test_gradient_checkpointing_and_zero1_give_the_same_update(tmp_path, artifac
     for name in ("ckpt", "zero1"):
         for k, v in outs["plain"].items():
             assert (outs[name][k] - v).abs().max().item() <= 1e-5, (name, k)
+
+
+@pytest.mark.multiturn
+@pytest.mark.parametrize("old", [{"recompute_old_logprobs": False}, {"tis_cap": 2.0, "mismatch_mask": 3.0}])
+def test_the_environments_tokens_carry_no_gradient(tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, old):
+    """Episodes: every per-token number on the tokens the environment wrote (behaviour, old and
+    reference log-probs, advantages) can be anything: the update is the same to the bit. The
+    same numbers on sampled tokens do change it (the check can fail)."""
+    from safetensors.torch import load_file
+
+    knobs = dict(kl_beta=0.1, entropy_coef=0.01, epochs=2, minibatch_size=8, micro_batch_size=4, **old)
+
+    def update(name: str, **build_knobs) -> dict:
+        arts = build(tmp_path / name, tiny_tokenizer, with_ref=True, **build_knobs)
+        run(make_config(tmp_path, arts, tiny_policy_dir, name=name, **knobs))
+        return load_file(tmp_path / f"{name}_policy" / "model.safetensors")
+
+    clean, garbage = update("clean", environment=0.0), update("garbage", environment=37.5)
+    assert clean.keys() == garbage.keys() and all(torch.equal(clean[k], garbage[k]) for k in clean)
+    other = update("other", environment=0.0, seed=1)  # other sampled tokens and numbers: another update
+    assert any(not torch.equal(clean[k], other[k]) for k in clean)

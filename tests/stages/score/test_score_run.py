@@ -200,7 +200,7 @@ def test_config_errors():
 def test_registry_rejects_a_second_registration():
     with pytest.raises(ValueError, match="'overlong' is already registered"):
         register("overlong")(lambda c: None)
-    assert set(scorers.SCORERS) == {"reward_model", "answer_match", "regex_format", "overlong", "python"}
+    assert set(scorers.SCORERS) == {"reward_model", "answer_match", "regex_format", "overlong", "python", "environment"}
 
 
 def test_config_union_and_registry_name_the_same_components():

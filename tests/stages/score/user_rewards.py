@@ -31,3 +31,8 @@ def metadata_points(prompts, responses, answers, metadata):
 
 def metadata_through_kwargs(prompts, responses, answers, **kwargs):
     return [len(m) for m in kwargs["metadata"]]
+
+
+def tool_calls_made(prompts, responses, answers, turns):
+    """Episodes: the number of tool calls in the row's turns (single-turn rows: -1)."""
+    return [-1.0 if t is None else float(sum(len(x["tool_calls"]) for x in t)) for t in turns]
