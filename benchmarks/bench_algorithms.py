@@ -8,10 +8,12 @@ Variants (all on the demo's task, model, SFT warm start, rollouts and reward):
     grpo_ds   `demo` + dynamic sampling (filter: drop all-equal groups; rollout.oversample 2)
     trpo      the `demo_trpo` preset (GRPO advantages, one TRPO step per iteration)
     grpo_s1   `demo` + async.staleness 1 (rollout k samples from optimize k-2's policy; TIS C = 2)
+    tools     the `demo_tools` preset (its own task: two-digit multiplication with a calculator
+              tool; GRPO on tool-use episodes; 200 held-out problems)
 
 Per seed, the set-up (task data, base model, SFT, the first evaluation) is run once by the first
-variant and copied into the other variants' run directories, where it is a cache hit (cache keys
-hold no paths), so every variant of a seed starts from the same warm start. Prints one markdown
+variant of each preset's task and copied into the other variants' run directories, where it is a
+cache hit (cache keys hold no paths), so every variant of a seed starts from the same warm start. Prints one markdown
 table: accuracy before (the warm start) and after, and the wall time of each run's iterations.
 """
 
@@ -30,7 +32,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_ds": ("demo", ["filter.drop=all_equal", "rollout.oversample=2"]),
     "trpo": ("demo_trpo", []),
     "grpo_s1": ("demo", ["async.staleness=1"]),
+    "tools": ("demo_tools", []),
 }
+
+#: The preset whose set-up (task, base model, SFT) a variant's preset shares.
+SETUP_OF = {"demo": "demo", "demo_trpo": "demo", "demo_tools": "demo_tools"}
 
 
 def _setup_only(run_dir: Path) -> list[Path]:
@@ -59,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     root = args.run_root or Path(tempfile.mkdtemp(prefix="rlpipe-bench-algorithms-"))
     rows = []
     for seed in args.seeds:
-        first: Path | None = None
+        firsts: dict[str, Path] = {}
         for variant in args.variants:
             preset_name, overrides = VARIANTS[variant]
             preset = load_preset(preset_name, [*overrides, f"seed={seed}", f"iterations={args.iterations}",
                                                "eval_every=0"])
             run_dir = root / f"{variant}_seed{seed}"
+            first = firsts.get(SETUP_OF[preset_name])
             if first is not None and not run_dir.exists():
                 run_dir.mkdir(parents=True)
                 for part in _setup_only(first):
@@ -72,18 +79,19 @@ def main(argv: list[str] | None = None) -> int:
             mark = time.perf_counter()
             Pipeline(preset, run_dir, log=lambda s: None).run()
             seconds = time.perf_counter() - mark
-            first = first or run_dir
+            firsts.setdefault(SETUP_OF[preset_name], run_dir)
             before = eval_metrics(run_dir / "eval_0000")["accuracy"]
+            problems = int(eval_metrics(run_dir / "eval_0000")["num_prompts"])
             after = eval_metrics(run_dir / f"iter_{args.iterations - 1:04d}" / "eval")["accuracy"]
-            rows.append((variant, seed, before, after, seconds))
+            rows.append((variant, seed, before, after, seconds, problems))
             print(f"{variant} seed {seed}: {before:.2f} -> {after:.2f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
-    print(f"\nheld-out greedy accuracy (100 problems) after {args.iterations} iterations; runs in {root}\n")
-    print("| variant | seed | warm start | after | change | wall s |")
-    print("|---|---|---|---|---|---|")
-    for variant, seed, before, after, seconds in rows:
-        print(f"| {variant} | {seed} | {before:.2f} | {after:.2f} | {after - before:+.2f} | {seconds:.0f} |")
+    print(f"\nheld-out greedy accuracy after {args.iterations} iterations; runs in {root}\n")
+    print("| variant | seed | held-out problems | warm start | after | change | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for variant, seed, before, after, seconds, problems in rows:
+        print(f"| {variant} | {seed} | {problems} | {before:.2f} | {after:.2f} | {after - before:+.2f} | {seconds:.0f} |")
     for variant in args.variants:
-        got = [after for v, _, _, after, _ in rows if v == variant]
+        got = [after for v, _, _, after, _, _ in rows if v == variant]
         print(f"| {variant} | mean | | {sum(got) / len(got):.3f} | | |")
     return 0
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import polars as pl
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlpipe.pipelines.report import (
@@ -374,8 +375,11 @@ def show_samples(run_dir: Path, console: Console, count: int, iteration: int | N
         numeric = samples[c].dtype.is_numeric()
         t.add_column("finish" if c == "finish_reason" else c, justify="right" if numeric else "left",
                      overflow="fold", no_wrap=numeric)
-    for r in samples.iter_rows():
-        t.add_row(*(format_value(v) if isinstance(v, float) or v is None else _short(v) for v in r))
+    episodes = "turns" in samples.columns  # their responses are lines, one per turn (sample_completions)
+    for r in samples.iter_rows(named=True):  # (model text is no rich markup: '[x]' stays as written)
+        t.add_row(*(format_value(v) if isinstance(v, float) or v is None
+                    else escape("\n".join(map(_short, v.split("\n")))) if episodes and c == "response"
+                    else escape(_short(v)) for c, v in r.items()))
     console.print(t)
     return samples
 

@@ -76,7 +76,8 @@ class Plan:
         if self.preset.data.task is None:
             return None
         d = self.layout.data("task")
-        sft = d / "sft" if self.preset.data.task.get("sft_padded_fraction") else None
+        knobs = self.preset.data.task
+        sft = d / "sft" if knobs.get("sft_padded_fraction") or knobs.get("sft_tool_fraction") else None
         return self.call("task", self.setup_dir, train=d / "train", heldout=d / "heldout", sft=sft)
 
     def imports(self) -> list[StageCall]:
@@ -160,8 +161,9 @@ class Plan:
         if p.model.base is None:
             from rlpipe.stages.task.arithmetic import tokenizer_texts
 
+            task = self.task().config
             calls.append(self.call("base_model", self.setup_dir, output=self.base_policy(),
-                                   tokenizer_texts=tokenizer_texts(self.task().config.to_task())))
+                                   tokenizer_texts=tokenizer_texts(task.to_task(), tools=task.sft_tool_fraction > 0)))
         if p.sft is not None:
             calls.append(self.call("sft", self.setup_dir, base=self.base_policy(), prompts=sft_prompts,
                                    output=L.model("sft"), metrics_output=L.model("sft_metrics"),
@@ -197,6 +199,8 @@ class Plan:
                                    reference_model=self.reference_model(),
                                    critic=self.critic(max(0, k - self.staleness))))
         joined = {"rollouts": rollouts, "reference": reference} if reference is not None else {}
+        if (p.fragment("rollout") or {}).get("environment"):  # episodes: the advantages see the sampled tokens only
+            joined["rollouts"] = rollouts
         calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined,
                                **self._adaptive_kl(k)))
         critic = self.critic(k)

@@ -44,6 +44,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "eval_accuracy": ("eval acc", "held-out accuracy"),
     "response_length": ("resp len", "response length (tokens)"),
     "truncated_fraction": ("trunc", "truncated fraction"),
+    "turns_mean": ("turns", "model turns per episode"),
+    "tool_calls_mean": ("tools", "tool calls per episode"),
+    "eval_tool_calls_per_episode": ("eval tools", "held-out tool calls per episode"),
     "staleness": ("stale", "policies between sampling and training (async)"),
     "logprob_gap_mean_abs": ("lp gap", "|trainer - rollout engine| log-prob"),
     "loss": ("loss", "loss"),
@@ -67,7 +70,7 @@ ROLLOUT_POLICY_METRICS = ("approx_kl", "clip_fraction", "dual_clip_fraction")
 
 #: Panels of curves.png, in order; a panel shows only when its column has data.
 PANELS = ("reward_mean", "accuracy", "eval_accuracy", "kl_ref", "approx_kl", "clip_fraction",
-          "entropy", "response_length", "value_loss", "explained_variance", "value_clip_fraction")
+          "entropy", "response_length", "tool_calls_mean", "value_loss", "explained_variance", "value_clip_fraction")
 
 #: Sample completions per iteration given to the sinks and shown in the HTML report.
 SAMPLES_PER_ITERATION = 8
@@ -112,10 +115,15 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
             out["accuracy"] = float(s[ACCURACY_COMPONENT].mean())
     if exists(it / "rollouts"):
         r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=["response_token_ids", "finish_reason",
-                                                                       "iteration", "policy_version"]))
+                                                                       "iteration", "policy_version", "num_turns",
+                                                                       "turns"]))
         if r.height:
             out["response_length"] = float(r["response_token_ids"].list.len().mean())
             out["truncated_fraction"] = float((r["finish_reason"] == "length").mean())
+            if r["num_turns"].null_count() < r.height:  # episodes: how the policy uses the environment
+                out["turns_mean"] = float(r["num_turns"].mean())
+                calls = r["turns"].list.eval(pl.element().struct.field("tool_calls").list.len()).list.sum()
+                out["tool_calls_mean"] = float(calls.mean())
             stale = int((r["iteration"] - r["policy_version"]).max())
             if stale > 0:  # asynchronous runs: the sampling policy is this many optimize runs behind
                 out["staleness"] = float(stale)
@@ -210,16 +218,36 @@ def sample_completions(run_dir: Path | str, k: int, n: int = SAMPLES_PER_ITERATI
     import polars as pl
 
     it = Path(run_dir) / iteration_dir_name(k)
-    cols = ["group_id", "sample_index", "prompt", "response", "answer", "finish_reason"]
+    cols = ["group_id", "sample_index", "prompt", "response", "answer", "finish_reason", "num_turns", "turns"]
     r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=cols))
     r = r.filter(pl.col("sample_index") != GREEDY_SAMPLE_INDEX)  # ReMax's baselines are no samples
     r = r.sort("sample_index", "group_id").head(n)
+    episodes = r["num_turns"].null_count() < r.height
+    if episodes:  # an episode's response is shown turn by turn
+        r = r.with_columns(pl.Series("response", [response if turns is None else episode_lines(turns) for
+                                                  response, turns in zip(r["response"], r["turns"], strict=True)]))
     if exists(it / "scores"):
         s = pl.from_arrow(read_table_artifact(it / "scores", columns=["group_id", "sample_index", "reward"]))
         r = r.join(s, on=["group_id", "sample_index"], how="left")
     else:
         r = r.with_columns(pl.lit(None, pl.Float64).alias("reward"))
-    return r.select("prompt", "response", pl.col("reward").cast(pl.Float64), "answer", "finish_reason")
+    shown = ["prompt", "response", pl.col("reward").cast(pl.Float64), "answer", "finish_reason"]
+    return r.select(*shown, pl.col("num_turns").alias("turns")) if episodes else r.select(*shown)
+
+
+def episode_lines(turns: list[dict[str, Any]]) -> str:
+    """An episode turn by turn, a line each (within a line, control characters escaped):
+    'model: <text>', 'tool <name>: <result>' for each tool result, or 'environment: <reply>'."""
+    lines = []
+    for t in turns:
+        if t["role"] == "model":
+            ended = "" if t["finish_reason"] == "stop" else f" [{t['finish_reason']}]"
+            lines.append(f"model{ended}: {printable(t['text'])}")
+        elif t["tool_results"]:
+            lines += [f"tool {r['name']}: {printable(r['content'])}" for r in t["tool_results"]]
+        else:
+            lines.append(f"environment: {printable(t['text'])}")
+    return "\n".join(lines)
 
 
 def shown_panels(table) -> list[str]:

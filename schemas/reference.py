@@ -1,6 +1,8 @@
 """`reference`: per-token forward passes needed before advantages (reference log-probs, values).
 
-Alignment: both lists have the same length as the rollout's `response_token_ids`.
+Alignment: both lists have the same length as the rollout's `response_token_ids`. Episodes:
+computed on every token, the environment's included (the model reads them either way); the
+advantage stage keeps the sampled tokens' only (the rollouts' `response_mask`).
 Shards: one per rollouts shard, same index and row order. Written by the `reference` step
 (`rlpipe.stages.reference`).
 """

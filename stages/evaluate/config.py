@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
 class EvaluateConfig(StageConfig):
@@ -28,6 +29,11 @@ class EvaluateConfig(StageConfig):
     """Iteration recorded in the rows (the policy version evaluated)."""
     max_new_tokens: int = Field(8, ge=1)
     """Response length limit."""
+    stop: tuple[str, ...] = ()
+    """Stop strings of the rollout (as rollout.stop)."""
+    environment: EnvironmentSpec | None = None
+    """Evaluate greedy episodes with this environment (as rollout.environment); the answer is the
+    last model turn's."""
     match: Literal["exact", "numeric"] = "exact"
     """answer_match mode: 'exact' (normalised string equality) or 'numeric' (last number)."""
     engine: Literal["transformers", "vllm"] = "transformers"

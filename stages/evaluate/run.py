@@ -43,13 +43,14 @@ def run(config: EvaluateConfig, start: StageStart) -> Manifest:
         checkpoint=config.checkpoint, prompts=config.prompts, output=config.output / "rollouts",
         run=config.run, iteration=config.iteration, policy_version=config.iteration,
         engine=config.engine, group_size=1, temperature=0.0, max_new_tokens=config.max_new_tokens,
-        batch_size=config.batch_size, groups_per_shard=1 << 20, seed=config.seed,
+        batch_size=config.batch_size, groups_per_shard=1 << 20, seed=config.seed, stop=config.stop,
+        environment=config.environment,
     )
     score_cfg = ScoreConfig(
         rollouts=rollout_cfg.output, output=config.output / "scores",
         components=[AnswerMatchComponent(name="answer_match", mode=config.match)],
     )
-    rollout(rollout_cfg, force=start.force)
+    rolled = rollout(rollout_cfg, force=start.force)
     score(score_cfg, force=start.force)
 
     scores = read_table_artifact(score_cfg.output, SCORES,
@@ -59,6 +60,9 @@ def run(config: EvaluateConfig, start: StageStart) -> Manifest:
         scores.column("response_length").to_numpy(),
         np.array([r == "length" for r in scores.column("finish_reason").to_pylist()]),
     )
+    if config.environment is not None:  # episodes: how the policy used the environment
+        metrics["turns_mean"] = float(rolled.extra["turns_mean"])
+        metrics["tool_calls_per_episode"] = rolled.extra["tool_calls"] / metrics["num_prompts"]
     names = sorted(metrics)
     manifest = write_table_artifact(
         config.output, METRICS,

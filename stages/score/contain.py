@@ -41,7 +41,7 @@ def _exit_error(e: BaseException) -> UserCodeExit:
 
 
 def _timeout_error(timeout_s: float) -> UserCodeTimeout:
-    return UserCodeTimeout(f"no result within {timeout_s:g} s (the component's timeout_s)")
+    return UserCodeTimeout(f"no result within {timeout_s:g} s (its timeout_s)")
 
 
 def _guarded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

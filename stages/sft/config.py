@@ -42,6 +42,12 @@ class SFTConfig(StageConfig):
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip (0 disables)."""
+    mask_tool_responses: bool = True
+    """Answers with tool use (a `<tool_call>`, then the environment's `<tool_response>` block,
+    then more of the model's text, e.g. the task stage's sft_tool_fraction): the reply blocks, with
+    the new lines around them, carry no loss (the environment writes them, the model only reads
+    them) and are tokenised apart from the model's text, as an episode does. Answers without a
+    reply train as before. False: every answer token is a target."""
     max_length: int = Field(128, ge=2)
     """Sequences longer than this many tokens are truncated (from the right)."""
     zero_stage: Literal[0, 1, 2, 3] = 0

@@ -8,13 +8,18 @@ token-mean cross-entropy over the labelled tokens of the *global* batch (all ran
 
 Each rank returns its own sum divided by N_global times the world size, because DeepSpeed averages
 gradients over ranks; so 1 rank x B sequences and 2 ranks x B/2 sequences give the same update.
+
+Tool-use answers hold the environment's replies (`<tool_response>` blocks, `answer_segments`):
+those tokens are inputs to the later positions but never targets, as in an RL episode's mask.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Literal
 
 import numpy as np
@@ -37,22 +42,70 @@ class Example:
 
 
 def encode_example(prompt_ids: Sequence[int], answer_ids: Sequence[int] | None, eos_id: int,
-                   max_length: int, loss_on: Literal["answer", "all"]) -> Example:
+                   max_length: int, loss_on: Literal["answer", "all"],
+                   answer_trained: Sequence[bool] | None = None) -> Example:
     """Build one example from tokenised prompt (BOS included) and answer (None: plain text).
 
     With an answer the sequence is prompt + answer + EOS; targets are the answer and EOS tokens
     ('answer') or every token but the first ('all'). Plain text trains on every token but the
     first. Truncated to `max_length` tokens from the right.
+
+    answer_trained: per answer token, False where the environment wrote it (a tool's reply,
+    `encode_answer`): never a target, whatever `loss_on` says. None: every answer token is the
+    model's.
     """
     if answer_ids is None:
         ids = list(prompt_ids)
         target = [False] + [True] * (len(ids) - 1)
     else:
+        if answer_trained is not None and len(answer_trained) != len(answer_ids):
+            raise ValueError(f"answer_trained has {len(answer_trained)} flags for {len(answer_ids)} answer tokens")
         ids = list(prompt_ids) + list(answer_ids) + [eos_id]
         n_prompt = len(prompt_ids)
         first = 1 if loss_on == "all" else n_prompt
         target = [i >= first for i in range(len(ids))]
+        if answer_trained is not None:
+            end = n_prompt + len(answer_ids)
+            target[n_prompt:end] = [t and keep for t, keep in zip(target[n_prompt:end], answer_trained, strict=True)]
     return Example(ids[:max_length], target[:max_length])
+
+
+@cache
+def _tool_response_pattern() -> re.Pattern[str]:
+    """The environment's reply in a raw-text episode, new lines around it included (`TextTurns`),
+    built from the tools' own `tool_response_text` so the two never drift apart."""
+    from rlpipe.stages.rollout.environments.tools import tool_response_text
+
+    opening, closing = tool_response_text("\0").split("\0")
+    return re.compile(r"\n?" + re.escape(opening) + ".*?" + re.escape(closing) + r"\n?", re.DOTALL)
+
+
+def answer_segments(answer: str, mask_tool_responses: bool) -> list[tuple[str, bool]]:
+    """`answer` cut into (text, trained) pieces: the tools' replies (`<tool_response>` blocks and
+    the new lines around them, inserted by the environment) untrained, the rest trained. Empty
+    pieces are dropped; without `mask_tool_responses`, or without a reply, one trained piece."""
+    if not mask_tool_responses:
+        return [(answer, True)]
+    out, start = [], 0
+    for m in _tool_response_pattern().finditer(answer):
+        out += [(answer[start:m.start()], True), (m.group(), False)]
+        start = m.end()
+    out.append((answer[start:], True))
+    return [(text, trained) for text, trained in out if text] or [(answer, True)]
+
+
+def encode_answer(tokenize: Callable[[str], list[int]], segments: Sequence[tuple[str, bool]]
+                  ) -> tuple[list[int], list[bool]]:
+    """Token ids of the answer and, per token, whether it is trained: each segment tokenised on
+    its own (as an episode tokenises the environment's reply apart from the model's turns), the
+    ids concatenated."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for text, keep in segments:
+        seg = list(tokenize(text))
+        ids += seg
+        trained += [keep] * len(seg)
+    return ids, trained
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -54,9 +54,7 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
     if not prompts:
         raise DataError(f"{config.prompts}: the prompts artifact has no rows to train on")
     prompt_ids = tokenizer(prompts).input_ids
-    answer_ids = [tokenizer(a, add_special_tokens=False).input_ids if a is not None else None for a in answers]
-    examples = [core.encode_example(p, a, tokenizer.eos_token_id, config.max_length, config.loss_on)
-                for p, a in zip(prompt_ids, answer_ids, strict=True)]
+    examples = [_encode(tokenizer, p, a, config) for p, a in zip(prompt_ids, answers, strict=True)]
     steps = core.num_steps(len(examples), config.batch_size, config.epochs, config.max_steps)
     schedule = core.batch_schedule(len(examples), config.batch_size, steps, config.seed)
 
@@ -117,6 +115,17 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
     engine.destroy()
     barrier()
     return manifest if manifest is not None else read_manifest(config.output)
+
+
+def _encode(tokenizer, prompt_ids: list[int], answer: str | None, config: SFTConfig):
+    """One example: the answer's segments (tool replies untrained) tokenised one by one."""
+    from rlpipe.stages.sft import core
+
+    if answer is None:
+        return core.encode_example(prompt_ids, None, tokenizer.eos_token_id, config.max_length, config.loss_on)
+    segments = core.answer_segments(answer, config.mask_tool_responses)
+    ids, trained = core.encode_answer(lambda text: tokenizer(text, add_special_tokens=False).input_ids, segments)
+    return core.encode_example(prompt_ids, ids, tokenizer.eos_token_id, config.max_length, config.loss_on, trained)
 
 
 def _mean_over_ranks(x, world: int) -> float:

@@ -13,6 +13,20 @@ Usage (the `task` stage does this from its config):
     task = ArithmeticTask(a_range=(0, 99), b_range=(0, 99), ops=("+",))
     paths = write_task(run_dir / "task", task, n_train=4000, n_heldout=200, seed=0)
     texts = tokenizer_texts(task)             # for train_tokenizer (the base_model stage)
+
+Tool use (`sft_tool_fraction` of the task stage): an SFT answer may be a calculator trace in the
+raw-text episode format of `rlpipe.stages.rollout.environments.tools`; prompt and answer read
+
+    23*45=<tool_call>
+    {"name": "calculator", "arguments": {"expression": "23*45"}}
+    </tool_call>
+    <tool_response>
+    1035
+    </tool_response>
+    1035
+
+where the `<tool_response>` block (with the new lines around it) is what the environment
+inserts; the sft stage trains on the rest only (`SFTConfig.mask_tool_responses`).
 """
 
 from __future__ import annotations
@@ -184,33 +198,84 @@ def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_hel
 
 
 def write_mixed_format_copy(src: Path | str, dst: Path | str, *, fraction: float, seed: int,
-                            pad_from: int = 0, width: int = 3, cache_key: str | None = None) -> Manifest:
+                            pad_from: int = 0, width: int = 3, tool_fraction: float = 0.0,
+                            cache_key: str | None = None) -> Manifest:
     """Copy a `prompts` artifact with `fraction` of the answers of problems whose first operand is
     >= `pad_from` (drawn with `seed`) zero-padded to `width` digits ('68' -> '068'): warm-start
     data from two sources with different answer conventions, where the verifier accepts only the
-    canonical one."""
+    canonical one.
+
+    With `tool_fraction` > 0, that fraction of all answers (drawn with `seed` from a stream of
+    its own, so the padding draws stay those of tool_fraction 0) become calculator traces
+    (`calculator_trace`) ending in the answer, padded or not: padding is the convention of a
+    source, and a trace from that source writes its final answer the same way. With
+    tool_fraction 0 the copy (and its manifest) is what it was before the knob existed.
+    """
     from rlpipe.schemas import read_manifest, read_table_artifact
 
     table = read_table_artifact(src, PROMPTS)
     rng = random.Random(seed)
     rows = {name: table.column(name).to_pylist() for name in PROMPTS.column_names}
-    first = [json.loads(m)["a"] for m in rows["metadata"]]
-    rows["answer"] = [ans.zfill(width) if a >= pad_from and rng.random() < fraction else ans
-                      for ans, a in zip(rows["answer"], first, strict=True)]
+    meta = [json.loads(m) for m in rows["metadata"]]
+    rows["answer"] = [ans.zfill(width) if m["a"] >= pad_from and rng.random() < fraction else ans
+                      for ans, m in zip(rows["answer"], meta, strict=True)]
+    config = {"source": str(src), "fraction": fraction, "pad_from": pad_from, "seed": seed, "width": width}
+    if tool_fraction > 0:
+        traced = tool_draws(len(meta), tool_fraction, seed)
+        rows["answer"] = [calculator_trace(m["a"], m["op"], m["b"], ans) if t else ans
+                          for ans, m, t in zip(rows["answer"], meta, traced, strict=True)]
+        config["tool_fraction"] = tool_fraction
     return write_table_artifact(
-        dst, PROMPTS, rows, stage="task",
-        config={"source": str(src), "fraction": fraction, "pad_from": pad_from, "seed": seed, "width": width},
+        dst, PROMPTS, rows, stage="task", config=config,
         inputs={"prompts": read_manifest(src).as_input(src)}, cache_key=cache_key,
     )
 
 
-def tokenizer_texts(task: ArithmeticTask) -> list[str]:
+def tool_draws(n: int, fraction: float, seed: int) -> list[bool]:
+    """Which of `n` rows use the tool: each with probability `fraction`, from a random stream
+    of (`seed`, 'tools'), independent of the padding draws of the same seed."""
+    rng = random.Random(f"{seed}/tools")
+    return [rng.random() < fraction for _ in range(n)]
+
+
+def calculator_trace(a: int, op: Op, b: int, answer: str) -> str:
+    """An SFT answer that computes `a op b` with the calculator, then writes `answer`.
+
+    The call, the environment's reply around the tool's result and the final answer, exactly as
+    a raw-text episode (`TextTurns`) lays them out; the operands unpadded (the calculator reads
+    '07' as a syntax error).
+    """
+    from rlpipe.stages.rollout.environments.tools import (
+        calculator,
+        tool_call_text,
+        tool_response_text,
+    )
+
+    expression = f"{a}{op}{b}"
+    return (tool_call_text("calculator", {"expression": expression}) + "\n"
+            + tool_response_text(calculator(expression)) + "\n" + answer)
+
+
+#: Operands of the calculator traces the tokenizer is trained on (`tokenizer_texts(tools=True)`).
+TOOL_TEXT_OPERANDS = ((3, 2), (17, 5), (42, 42), (64, 7), (85, 19), (91, 30), (26, 8), (58, 13))
+
+
+def tokenizer_texts(task: ArithmeticTask, tools: bool = False) -> list[str]:
     """Texts to train the tokenizer on: every digit and operator of the task, in a fixed order.
 
     Digits are single tokens anyway; these texts only need to cover the characters, so they are
     independent of the split (the vocabulary never depends on which problems are held out).
+
+    tools: also calculator traces of a few fixed problems (`TOOL_TEXT_OPERANDS`), so that the
+    BPE learns merges for the constant parts of the call format ('<tool_call>', '"expression"',
+    ...) and a call costs the model a couple of dozen tokens rather than a hundred bytes.
     """
-    return ["0123456789", "="] + list(task.ops) + [Problem(a, op, a).text for op in task.ops for a in range(10)]
+    texts = ["0123456789", "="] + list(task.ops) + [Problem(a, op, a).text for op in task.ops for a in range(10)]
+    if tools:
+        # The trace alone: the model writes it after the prompt's tokens, so no merge across '='.
+        problems = [Problem(a, op, b) for op in task.ops for a, b in TOOL_TEXT_OPERANDS]
+        texts += [calculator_trace(p.a, p.op, p.b, p.answer) for p in problems]
+    return texts
 
 
 def sft_texts(problems: Sequence[Problem]) -> list[str]:

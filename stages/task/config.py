@@ -19,8 +19,8 @@ class TaskConfig(StageConfig):
     heldout: Annotated[Path, Output("prompts")]
     """Held-out prompts artifact for evaluation (disjoint from training)."""
     sft: Annotated[Path | None, Output("prompts")] = None
-    """The SFT copy of the training prompts with flawed answers (see sft_padded_fraction); set when
-    sft_padded_fraction > 0."""
+    """The SFT copy of the training prompts with flawed answers (see sft_padded_fraction) and / or
+    calculator traces (see sft_tool_fraction); set when either fraction is > 0."""
     kind: Literal["arithmetic"] = "arithmetic"
     """The task family (only 'arithmetic' for now)."""
     a_range: tuple[int, int] = (0, 99)
@@ -42,8 +42,17 @@ class TaskConfig(StageConfig):
     the canonical one now and then: RL has to learn it from the reward alone. 0: canonical SFT."""
     sft_padded_from: int = Field(0, ge=0)
     """First operand from which SFT answers may be padded (see sft_padded_fraction)."""
+    sft_tool_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Tool-use warm-start data: in the SFT copy of the training prompts, this fraction of the
+    answers (drawn with the seed, apart from the padding draws) is a calculator trace: the call,
+    the tool's reply, then the answer, as a raw-text episode lays them out
+    (`rlpipe.stages.task.arithmetic.calculator_trace`); the others stay plain answers, which a
+    model that cannot compute them gets wrong: RL has to learn when to call the tool. Composes
+    with sft_padded_fraction (a trace's final answer is padded like a plain one). The pipeline's
+    base model tokenizer then learns the call format too (`tokenizer_texts(tools=True)`).
+    0: no traces."""
     seed: int = Field(0, ge=0)
-    """Seeds the split and the flawed copy."""
+    """Seeds the split and the SFT copy's draws (padding, tool traces)."""
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
@@ -52,8 +61,9 @@ class TaskConfig(StageConfig):
                 raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {[lo, hi]}")
         if not self.ops:
             raise ValueError("ops must name at least one operation of '+', '-', '*'")
-        if self.sft is not None and self.sft_padded_fraction == 0:
-            raise ValueError("sft is set but sft_padded_fraction is 0: the copy would equal train")
+        if self.sft is not None and self.sft_padded_fraction == 0 and self.sft_tool_fraction == 0:
+            raise ValueError("sft is set but sft_padded_fraction and sft_tool_fraction are 0: the copy would "
+                             "equal train")
         return self
 
     def to_task(self):

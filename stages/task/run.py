@@ -1,4 +1,5 @@
-"""The task stage: write the arithmetic task's splits (and the flawed SFT copy) as artifacts.
+"""The task stage: write the arithmetic task's splits (and the SFT copy: flawed answers, tool
+traces) as artifacts.
 
 Each output is an artifact of its own (manifest last); a rerun with the same config finds them
 complete and writes nothing.
@@ -24,5 +25,6 @@ def run(config: TaskConfig, start: StageStart) -> Manifest:
         arithmetic.write_prompts(outputs[split], problems, split=split, task=task, seed=config.seed, cache_key=key)
     if config.sft is not None:
         arithmetic.write_mixed_format_copy(config.train, config.sft, fraction=config.sft_padded_fraction,
-                                           pad_from=config.sft_padded_from, seed=config.seed, cache_key=key)
+                                           pad_from=config.sft_padded_from, seed=config.seed,
+                                           tool_fraction=config.sft_tool_fraction, cache_key=key)
     return cached_manifest(config.train, key)

@@ -4,6 +4,7 @@ token sequence with a mask of who wrote each token (stages/rollout/environments)
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import time
 
 import numpy as np
@@ -243,3 +244,34 @@ def test_the_same_episodes_from_the_transformers_and_vllm_engines(tmp_path, tiny
         assert sum(hf["mask"]) > 0 and 0 in hf["mask"]
         for a, b in zip(hf["logprobs"], vl["logprobs"], strict=True):
             assert (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-4), (a, b)
+
+
+def test_hostile_tools_in_an_episode_are_reported_in_its_turns(tiny_tokenizer, monkeypatch):
+    """A user tool that raises or hangs, and model code that sleeps, allocates or opens a socket:
+    each call's failure is the tool's reply in the episode's columns, and the episode goes on."""
+    import json
+    from pathlib import Path
+
+    from rlpipe.stages.rollout.environments.episode import episode_columns
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # user_environments.py
+
+    def tool(name, **arguments):
+        return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+    calls = (tool("explode", what="raise") + tool("explode", what="sleep")
+             + tool("python", code="import time; time.sleep(60)") + tool("python", code="x = bytearray(4 << 30)")
+             + tool("python", code="import socket; socket.create_connection(('10.255.255.1', 80), timeout=5)"))
+    make = make_environment(EnvironmentSpec(name="tools", kwargs={"tools": ["python", "user_environments:explode"],
+                                                                  "timeout_s": 1.0}))
+    started = time.perf_counter()
+    [[episode]] = run_episodes(ScriptedModel(tiny_tokenizer, [calls, "A: done"]), [{"prompt": "Q: go"}], [1],
+                               replace(SPEC, group_size=1), make, TextTurns(tiny_tokenizer), max_turns=3)
+    row = episode_columns(episode, tiny_tokenizer)
+    results = [r["content"] for r in row["turns"][1]["tool_results"]]
+    assert row["num_turns"] == 2 and [t["role"] for t in row["turns"]] == ["model", "environment", "model"]
+    assert "RuntimeError: the tool broke" in results[0]
+    assert "UserCodeTimeout: no result within 1 s (its timeout_s)" in results[1]
+    assert "the time limit" in results[2] and "the memory limit" in results[3]
+    assert "Network is unreachable" in results[4] or "network" in results[4].lower()  # no network either way
+    assert time.perf_counter() - started < 30

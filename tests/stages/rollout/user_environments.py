@@ -20,3 +20,17 @@ class Echo:
 
 def make_echo(reply: str = "Q: 1+1=", reward: float = 0.25):
     return lambda: Echo(reply, reward)
+
+
+def explode(what: str) -> str:
+    """A tool that misbehaves.
+
+    Args:
+        what: 'raise' to raise, 'sleep' to hang.
+    """
+    if what == "raise":
+        raise RuntimeError("the tool broke")
+    import time
+
+    time.sleep(60)
+    return "woke up"
