@@ -63,3 +63,21 @@ def test_a_required_column_missing_in_an_old_version_or_a_newer_version_is_refus
     write_table_artifact(tmp_path / "newer", v3, {**ROWS, "messages": [None, "x"]}, stage="import_data")
     with pytest.raises(SchemaVersionError, match="written by a newer rlpipe \\(schema 'prompts' v3; this one reads up to v2\\): upgrade rlpipe"):
         read_table_artifact(tmp_path / "newer", PROMPTS)
+
+
+def test_rollouts_of_v1_and_v2_read_as_single_turn(tmp_path):
+    """Rollouts written before episodes (v1: no metadata; v2: no episode columns) read with those
+    columns null: every token sampled, which is how every stage treats a null response_mask."""
+    from rlpipe.schemas import ROLLOUTS
+    from rlpipe.schemas.examples import example_table
+
+    episode_columns = ["response_mask", "num_turns", "turns", "environment_reward"]
+    assert [c.name for c in ROLLOUTS.added_after(2)] == episode_columns
+    for version, drop in ((1, ("metadata", *episode_columns)), (2, tuple(episode_columns))):
+        old = _version(ROLLOUTS, version, drop)
+        rows = example_table(ROLLOUTS, 6).drop_columns(list(drop))
+        write_table_artifact(tmp_path / f"v{version}", old, rows, stage="rollout")
+        table = read_table_artifact(tmp_path / f"v{version}", ROLLOUTS)
+        assert table.column_names == ROLLOUTS.column_names
+        assert all(table.column(c).null_count == 6 for c in drop)
+        assert table.column("response_token_ids").to_pylist() == rows.column("response_token_ids").to_pylist()
