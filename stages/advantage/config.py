@@ -164,7 +164,9 @@ class AdvantageConfig(StageConfig):
     output: Annotated[Path, Output("advantages")]
     """Output advantages artifact directory."""
     rollouts: Annotated[Path | None, Input("rollouts")] = None
-    """Input rollouts artifact (behaviour log-probs); needed for any KL (kl.in_reward, kl column)."""
+    """Input rollouts artifact (behaviour log-probs); needed for any KL (kl.in_reward, kl column)
+    and for episodes (multi-turn rollouts): its response_mask keeps the environment's tokens out of
+    every estimate (without it they count as sampled)."""
     reference: Annotated[Path | None, Input("reference")] = None
     """Input reference artifact (reference log-probs and/or critic values); gae needs its values."""
     estimator: EstimatorConfig = GRPOEstimator()

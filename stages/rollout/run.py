@@ -191,35 +191,19 @@ def _sample_row(s: Sample) -> dict[str, Any]:
 
 
 def _episode_runner(engine, config: RolloutConfig):
-    """`(rows, seeds, params) -> [[episode row columns] per group]`: `config.environment`'s episodes."""
+    """The sampler of `config.environment`'s episodes (checked: a bad spec is a config error)."""
     from rlpipe.stages.rollout.environments.base import make_environment
-    from rlpipe.stages.rollout.environments.episode import (
-        ChatTurns,
-        TextTurns,
-        episode_columns,
-        run_episodes,
-    )
+    from rlpipe.stages.rollout.environments.episode import ChatTurns, EpisodeSampler, TextTurns
 
-    spec = config.environment
     try:
-        make = make_environment(spec)
+        make = make_environment(config.environment)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"rollout environment: {e}") from None
     if _use_chat_template(engine, [], config):
         turns = ChatTurns(engine.tokenizer, getattr(make(), "schemas", None), config.system_prompt)
     else:
         turns = TextTurns(engine.tokenizer)
-
-    def episodes(rows, seeds, params):
-        groups = run_episodes(engine, rows, seeds, params, make, turns, spec.max_turns)
-        steps = [t for group in groups for ep in group for t in ep.step_seconds]
-        timing["environment_steps"] += len(steps)
-        timing["environment_s"] += sum(steps)
-        timing["environment_step_max_s"] = max([timing["environment_step_max_s"], *steps])
-        return [[episode_columns(ep, engine.tokenizer) for ep in group] for group in groups]
-    timing = {"environment_steps": 0, "environment_s": 0.0, "environment_step_max_s": 0.0}
-    episodes.timing = timing
-    return episodes
+    return EpisodeSampler(engine, make, turns, config.environment.max_turns)
 
 
 def _append_group(rows: dict[str, list[Any]], config: RolloutConfig, group_id: int, prompt: dict[str, Any],

@@ -14,7 +14,8 @@ and without them, plus whatever closing of the model's turn the model did not sa
 `run_episodes` drives every episode of a batch through the engine's `generate` together, each
 advancing on its own: the first turn samples G responses per prompt from the group's seed, as a
 single-turn rollout does; each later turn samples one continuation per live episode from a seed
-of (group seed, sample, turn). Same seed, same episodes.
+of (group seed, sample, turn). Same seed, same episodes. `EpisodeSampler` is what the rollout
+stage calls: groups of episodes as rows of the rollouts schema (`episode_columns`).
 """
 
 from __future__ import annotations
@@ -212,6 +213,26 @@ def _advance(pairs: list[tuple[Episode, Sample]], engine: Engine, turns: ChatTur
             ep.done = True
             continue
         ep.add_environment_turn(result, reply, turns.tokenizer.decode(reply, skip_special_tokens=True))
+
+
+class EpisodeSampler:
+    """Groups of episodes as rows of the rollouts schema (`episode_columns`); keeps the totals of
+    the environment's step times (`timing`: not in the rows, which stay reproducible)."""
+
+    def __init__(self, engine: Engine, make_environment: Callable[[], Environment], turns: ChatTurns | TextTurns,
+                 max_turns: int):
+        self.engine, self.make_environment, self.turns, self.max_turns = engine, make_environment, turns, max_turns
+        self.timing = {"environment_steps": 0, "environment_s": 0.0, "environment_step_max_s": 0.0}
+
+    def __call__(self, rows: Sequence[dict[str, Any]], group_seeds: Sequence[int],
+                 params: SamplingSpec) -> list[list[dict[str, Any]]]:
+        groups = run_episodes(self.engine, rows, group_seeds, params, self.make_environment, self.turns,
+                              self.max_turns)
+        steps = [t for group in groups for ep in group for t in ep.step_seconds]
+        self.timing["environment_steps"] += len(steps)
+        self.timing["environment_s"] += sum(steps)
+        self.timing["environment_step_max_s"] = max([self.timing["environment_step_max_s"], *steps])
+        return [[episode_columns(ep, self.engine.tokenizer) for ep in group] for group in groups]
 
 
 def episode_columns(ep: Episode, tokenizer: Any) -> dict[str, Any]:
