@@ -3,7 +3,8 @@
 - `ds_config`: the shipped template cluster/deepspeed/zero<stage>.json with its "auto" fields
   filled from the stage's knobs; the one place a DeepSpeed config is made.
 - `make_engine`: deepspeed.initialize around a model and a torch optimizer (no FusedAdam build on
-  CPU), announcing the one-time C++ build of DeepSpeed's CPU communication op, and taking back
+  CPU), announcing the one-time C++ build of DeepSpeed's CPU communication op (and clearing the
+  build lock a killed build left, which would hang every later one), and taking back
   the zero-gradient step DeepSpeed's ZeRO-0 bf16 wrapper takes (Adam would count it).
 - `full_parameters` / `save_pretrained`: the trained weights whole (ZeRO-3 partitions gathered;
   a collective: every rank must call) and written as a Hugging Face checkpoint by rank 0.
@@ -118,9 +119,30 @@ def _announce_op_build() -> None:
         built = Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so"
     except (ImportError, AttributeError):  # another DeepSpeed layout: say nothing rather than fail
         return
+    _clear_stale_build_lock(built.parent / "lock")
     if not built.exists():
         print(f"building DeepSpeed's CPU communication op {builder.name} (first use on this machine, "
               f"~1 min; cached in {built.parent})...", file=sys.stderr, flush=True)
+
+
+#: A build lock older than this was left by a killed build (the op builds in about a minute).
+STALE_BUILD_LOCK_S = 600.0
+
+
+def _clear_stale_build_lock(lock: Path) -> None:
+    """Remove torch's build lock of the op when it is stale. A build killed with SIGKILL (a killed
+    stage, on its first DeepSpeed run) leaves the lock file behind, and every later build waits
+    on it forever, silently: every DeepSpeed stage on the machine would hang at its start."""
+    import time
+
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        lock.unlink(missing_ok=True)
+        print(f"removed {lock}: a build lock {age / 60:.0f} min old, left by a killed build of the op "
+              "(a build takes about a minute)", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

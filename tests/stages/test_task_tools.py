@@ -9,7 +9,11 @@ import pytest
 
 from rlpipe.schemas import PROMPTS, read_manifest, read_table_artifact
 from rlpipe.schemas.config import ConfigError
-from rlpipe.stages.rollout.environments.tools import parse_tool_calls, tool_call_text, tool_response_text
+from rlpipe.stages.rollout.environments.tools import (
+    parse_tool_calls,
+    tool_call_text,
+    tool_response_text,
+)
 from rlpipe.stages.task.arithmetic import (
     ArithmeticTask,
     Problem,

@@ -89,3 +89,31 @@ def test_notice_before_the_cpu_comm_op_is_built(tmp_path, monkeypatch, capsys):
     (Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so").write_bytes(b"")
     ds._announce_op_build()
     assert capsys.readouterr().err == ""
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch, capsys):
+    """A build killed with SIGKILL leaves torch's lock file: every later build would wait on it
+    forever. One older than STALE_BUILD_LOCK_S is removed (and said); a fresh one (a build running
+    in another process) is left alone."""
+    import os
+    import time
+
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from torch.utils.cpp_extension import _get_build_directory
+
+    ds.import_deepspeed()
+    monkeypatch.setattr(ds_comm, "cdb", None)
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    (build / "deepspeed_shm_comm.so").write_bytes(b"")
+    lock = build / "lock"
+    lock.touch()
+    ds._announce_op_build()
+    assert lock.exists() and capsys.readouterr().err == ""  # fresh: another process may be building
+    old = time.time() - ds.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    ds._announce_op_build()
+    assert not lock.exists()
+    assert capsys.readouterr().err.startswith(f"removed {lock}: a build lock 11 min old, left by a killed build")
