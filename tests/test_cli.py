@@ -182,7 +182,9 @@ def test_run_summary_wall_time_counts_each_stage_once(tmp_path):
 def test_inspect_run_with_only_rollouts(tmp_path):
     write_table_artifact(tmp_path / "iter_0000" / "rollouts", ROLLOUTS, example_table(ROLLOUTS, 4), stage="rollout")
     df = run_summary(tmp_path)
-    assert df.columns == ["iteration", "artifacts", "wall_s", "rollouts", "groups", "response_length", "truncated_fraction"]
+    # (example rows are episodes on two rows of three: turns and tool calls are summarised too)
+    assert df.columns == ["iteration", "artifacts", "wall_s", "rollouts", "groups", "response_length", "truncated_fraction",
+                          "turns_mean", "tool_calls_mean"]
     assert invoke("inspect", tmp_path).exit_code == 0
 
 
