@@ -108,3 +108,43 @@ def test_repeated_ids_and_empty_prompts_are_refused_with_rows(tiny_policy_dir, t
                                         rows[5]])
     with pytest.raises(ValueError, match=rf"prompts artifact {empty}: empty prompts .* at rows 3, 4 \(counted from 0"):
         run(_config(tiny_policy_dir, empty, tmp_path / "r"))
+
+
+#: TEMPLATE, naming the tools first when there are any (their whole JSON schemas would not fit the
+#: tiny model's context).
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}:"
+                  "{{ t['function']['parameters']['required'] | join(',') }} {% endfor %}{% endif %}" + TEMPLATE)
+
+
+@pytest.mark.multiturn
+def test_episodes_open_with_the_template_showing_the_tools_and_reply_as_it_renders(
+        chat_policy, tiny_tokenizer, tmp_path, monkeypatch):
+    """With a chat template, an episode's prompt is the template's rendering of the opening
+    messages with the tools' schemas and the system prompt; each environment reply is the
+    template's rendering of the reply message and the next generation prompt, after the close of
+    the model's turn (the template's '\n', unless the model wrote it)."""
+    from rlpipe.stages.rollout.environments import EnvironmentSpec, make_environment
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # user_environments.py
+    policy = tmp_path / "policy"
+    shutil.copytree(chat_policy, policy)
+    tok = type(tiny_tokenizer).from_pretrained(policy)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(policy)
+    prompts = _write(tmp_path / "p", [{"prompt_id": "q", "prompt": "Q: 6*7="}])
+    tools = {"name": "tools", "kwargs": {"tools": ["calculator"]}}
+    opening = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Q: 6*7="}]
+    schemas = make_environment(EnvironmentSpec(**tools))().schemas
+    want = tok.apply_chat_template(opening, tools=schemas, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert tok.decode(want, skip_special_tokens=True).startswith("<tools>calculator:expression <system>Use tools.\n<user>Q: 6*7=\n<assistant>")
+    run(_config(policy, prompts, tmp_path / "tools", environment=tools, system_prompt="Use tools."))
+    assert all(r["prompt_token_ids"] == want for r in read_table_artifact(tmp_path / "tools", "rollouts").to_pylist())
+
+    echo = {"function": "user_environments:make_echo", "kwargs": {"reply": "Q: 1+1="}, "max_turns": 2}
+    run(_config(policy, prompts, tmp_path / "echo", environment=echo, system_prompt="Use tools."))
+    for row in read_table_artifact(tmp_path / "echo", "rollouts").to_pylist():
+        model, env, _ = row["turns"]
+        reply = tok.decode(row["response_token_ids"][env["start"]:env["end"]])
+        wrote_newline = tok.decode(row["response_token_ids"][model["end"] - 1:model["end"]]) == "\n"
+        assert reply == ("" if wrote_newline else "\n") + "<user>Q: 1+1=\n<assistant>"
