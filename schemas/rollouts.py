@@ -20,6 +20,8 @@ Every later stage trains, penalises and counts only the tokens with mask 1. Sing
 leave the episode columns null (every token sampled).
 """
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 
 from rlpipe.schemas.columns import LOGPROBS, TOKEN_IDS, ArtifactSchema, Column
@@ -139,10 +141,24 @@ ROLLOUTS = ArtifactSchema(
                "'context' when no room was left for another turn), tool_calls ({name, arguments JSON, "
                "error} parsed from a model turn), tool_results ({name, content} of an environment "
                "turn), reward (the environment's, if it gave one)}. Null: a single-turn rollout. (The "
-               "environment's timings are in the manifest's extra.environment: shards stay reproducible.)", nullable=True, since=3),
+               "environment's timings are in the manifest's extra.timing.environment_*: shards stay reproducible.)", nullable=True, since=3),
         Column("environment_reward", pa.float64(), "Episodes: the sum of the rewards the environment "
                "gave (null if it gave none); the score stage's `environment` component reads it.",
                nullable=True, since=3),
     ),
     key=("iteration", "group_id", "sample_index"),
 )
+
+
+def response_masks(column: pa.ChunkedArray | pa.Array, lengths: Sequence[int], *, what: str) -> list[list[int]] | None:
+    """The rollouts' `response_mask` rows (1 where the model sampled the token, 0 where an
+    environment wrote it); a null row (a single-turn response) is all ones. None when every row is
+    null. Raises, naming `what` and the row, when a row's length is not the response's."""
+    if column.null_count == len(column):
+        return None
+    rows = [[1] * int(n) if m is None else m for m, n in zip(column.to_pylist(), lengths, strict=True)]
+    bad = [b for b, (m, n) in enumerate(zip(rows, lengths, strict=True)) if len(m) != n]
+    if bad:
+        raise ValueError(f"{what}: row {bad[0]} has {len(rows[bad[0]])} mask values, expected {lengths[bad[0]]} "
+                         "(the response length)")
+    return rows

@@ -17,6 +17,7 @@ import torch
 
 from rlpipe.schemas import ROLLOUTS
 from rlpipe.schemas.columns import LOGPROBS
+from rlpipe.schemas.rollouts import response_masks
 
 KEY = ROLLOUTS.key  # the join key is the schemas' (every per-rollout artifact declares the same one)
 
@@ -73,19 +74,11 @@ def padded(column: pa.ChunkedArray | pa.Array, mask: torch.Tensor, *, what: str)
 
 
 def sampled_mask(column: pa.ChunkedArray | pa.Array, mask: torch.Tensor, *, what: str) -> torch.Tensor | None:
-    """The rollouts' `response_mask` column as a (B, T) float64 tensor (1 where the model sampled
-    the token, 0 where an environment wrote it or on padding); a null row is all sampled. None when
-    every row is null (single-turn rollouts)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks else pa.array([], type=pa.list_(pa.int8()))
-    if column.null_count == len(column):
+    """`response_masks` as a (B, T) float64 tensor beside the length mask `mask` (0 on padding);
+    None for single-turn rollouts."""
+    rows = response_masks(column, mask.sum(-1).long().tolist(), what=what)
+    if rows is None:
         return None
-    lengths = mask.sum(-1).long().numpy()
-    rows = [[1] * int(n) if m is None else m for m, n in zip(column.to_pylist(), lengths, strict=True)]
-    bad = [b for b, (m, n) in enumerate(zip(rows, lengths, strict=True)) if len(m) != n]
-    if bad:
-        raise ValueError(f"{what}: row {bad[0]} has {len(rows[bad[0]])} mask values, expected {lengths[bad[0]]} "
-                         "(the response length)")
     out = torch.zeros(mask.shape, dtype=torch.float64)
     out[mask.bool()] = torch.tensor([v for m in rows for v in m], dtype=torch.float64)
     return out

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rlpipe.schemas import ADVANTAGES, REFERENCE, ROLLOUTS, read_table_artifact
+from rlpipe.schemas.rollouts import response_masks
 
 KEY = ROLLOUTS.key  # the join key is the schemas' (every per-rollout artifact declares the same one)
 
@@ -149,18 +150,9 @@ def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, 
 
 
 def _sampled(column, path: Path, keys, lengths) -> list[np.ndarray] | None:
-    """The rollouts' response_mask as float arrays (a null row: every token sampled); None when all
-    rows are null."""
-    if column.null_count == len(column):
-        return None
-    out = []
-    for i, m in enumerate(column.to_pylist()):
-        arr = np.ones(lengths[i], dtype=np.float32) if m is None else np.asarray(m, dtype=np.float32)
-        if len(arr) != lengths[i]:
-            raise ValueError(f"{path}: row {keys[i]} column 'response_mask' has {len(arr)} values but the "
-                             f"response has {lengths[i]} tokens")
-        out.append(arr)
-    return out
+    """The rollouts' response_mask as float arrays (`response_masks`); None for single-turn rollouts."""
+    rows = response_masks(column, lengths, what=f"{path}: column 'response_mask'")
+    return None if rows is None else [np.asarray(m, dtype=np.float32) for m in rows]
 
 
 def pad_rows(arrays: Sequence[np.ndarray], rows: Sequence[int] | np.ndarray, width: int) -> torch.Tensor:

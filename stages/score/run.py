@@ -36,6 +36,7 @@ from rlpipe.schemas import (
     read_shard,
 )
 from rlpipe.schemas.manifest import InputRef
+from rlpipe.schemas.rollouts import response_masks
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.score.config import ScoreConfig
@@ -106,31 +107,20 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
 
 def _rows(shard: Path, table: pa.Table) -> Rows:
     lengths = pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False)
+    masks = response_masks(table.column("response_mask"), lengths, what=f"{shard}: column 'response_mask'")
     episodes = table.column("turns").null_count < table.num_rows
-    turns = table.column("turns").to_pylist() if episodes else None
-    if episodes:  # the tokens the model sampled (a null mask: all of them)
-        masks = table.column("response_mask").to_pylist()
-        lengths = np.array([n if m is None else sum(m) for m, n in zip(masks, lengths, strict=True)])
-    responses = table.column("response").to_pylist()
     return Rows(
         shard=shard,
         prompts=table.column("prompt").to_pylist(),
-        responses=responses,
+        responses=table.column("response").to_pylist(),
         answers=table.column("answer").to_pylist(),
-        lengths=lengths,
+        lengths=lengths if masks is None else np.array([sum(m) for m in masks]),  # the tokens the model sampled
         group_ids=table.column("group_id").to_pylist(),
         sample_indices=table.column("sample_index").to_pylist(),
         metadata=_metadata(shard, table),
-        final_responses=[_final_text(t, r) for t, r in zip(turns, responses, strict=True)] if episodes else None,
-        turns=turns,
+        turns=table.column("turns").to_pylist() if episodes else None,
         environment_rewards=table.column("environment_reward").to_pylist() if episodes else None,
     )
-
-
-def _final_text(turns: list[dict[str, Any]] | None, response: str) -> str:
-    """An episode's last model turn's text (a single-turn row: its response)."""
-    model = [t for t in turns or () if t["role"] == "model"]
-    return model[-1]["text"] if model else response
 
 
 def _metadata(shard: Path, table: pa.Table) -> list[dict[str, Any]]:

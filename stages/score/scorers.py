@@ -40,8 +40,6 @@ class Rows:
     metadata: list[dict[str, Any]]
     """Each row's prompt metadata (the prompts artifact's JSON object: test cases, choices, a
     reference solution, ...), {} where the prompt has none: what a verifier needs beyond `answers`."""
-    final_responses: list[str] | None = None
-    """Episodes: the text of each row's last model turn (its final answer); None: `responses`."""
     turns: list[list[dict[str, Any]] | None] | None = None
     """Episodes: each row's turns (schemas/rollouts.py), None for a single-turn row."""
     environment_rewards: list[float | None] | None = None
@@ -49,8 +47,14 @@ class Rows:
 
     @property
     def answers_in(self) -> list[str]:
-        """The text a verifier checks: an episode's final model turn, else the response."""
-        return self.final_responses if self.final_responses is not None else self.responses
+        """The text a verifier checks: an episode's last model turn, else the response."""
+        if self.turns is None:
+            return self.responses
+
+        def last_model_turn(turns: list[dict[str, Any]] | None, response: str) -> str:
+            said = [t["text"] for t in turns or () if t["role"] == "model"]
+            return said[-1] if said else response
+        return [last_model_turn(t, r) for t, r in zip(self.turns, self.responses, strict=True)]
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -168,16 +172,21 @@ def reward_model_scorer(c: Any) -> Scorer:
     return score
 
 
-def accepts_metadata(fn: Callable[..., Any], name: str = "metadata", *, through_var_kw: bool = True) -> bool:
+def accepts_keyword(fn: Callable[..., Any], name: str, *, through_var_kw: bool = True) -> bool:
     """Whether a user reward function takes keyword `name` (by name, or through **kwargs unless
-    `through_var_kw` is false): functions written before `metadata` (or `turns`) reached the score
-    stage are called without it."""
+    `through_var_kw` is false): functions written before a keyword reached the score stage are
+    called without it."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return False
     return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                or through_var_kw and p.kind is p.VAR_KEYWORD for p in params)
+
+
+def accepts_metadata(fn: Callable[..., Any]) -> bool:
+    """Whether a user reward function takes the rows' `metadata` (by name or through **kwargs)."""
+    return accepts_keyword(fn, "metadata")
 
 
 @register("python")
@@ -188,7 +197,7 @@ def python_scorer(c: Any) -> Scorer:
         raise ScoreError(c, None, "", str(e)) from None
     with_metadata = accepts_metadata(fn)
     # An episode's turns go only to a function that names `turns` (not through **kwargs).
-    with_turns = accepts_metadata(fn, "turns", through_var_kw=False)
+    with_turns = accepts_keyword(fn, "turns", through_var_kw=False)
     for name, given in (("metadata", with_metadata), ("turns", with_turns)):
         if given and name in c.kwargs:
             raise ScoreError(c, None, "", f"{c.function} takes the rows' `{name}`; kwargs may not set it too")

@@ -4,8 +4,8 @@ token sequence with a mask of who wrote each token (stages/rollout/environments)
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
