@@ -198,7 +198,7 @@ def _episode_runner(engine, config: RolloutConfig):
     try:
         make = make_environment(config.environment)
     except (ValueError, ImportError) as e:
-        raise ConfigError(f"rollout environment: {e}") from None
+        raise ConfigError(str(e)) from None  # (the message names the environment's key)
     if _use_chat_template(engine, [], config):
         turns = ChatTurns(engine.tokenizer, getattr(make(), "schemas", None), config.system_prompt)
     else:

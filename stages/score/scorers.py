@@ -67,7 +67,8 @@ class ScoreError(UserError, RuntimeError):
     """A component failed or returned bad values; the message names component, shard and row."""
 
     def __init__(self, component: Any, shard: Path | str | None, where: str, what: str):
-        at = f"{shard}, {where}: " if shard is not None else (f"{where}: " if where else "")
+        parts = [str(x) for x in (shard, where) if x]  # (a shard-wide problem has no row to name)
+        at = ", ".join(parts) + ": " if parts else ""
         super().__init__(f"reward component {component.name!r} ({component.type}): {at}{what}")
 
 

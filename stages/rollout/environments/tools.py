@@ -147,6 +147,9 @@ class Tool:
         from rlpipe.stages.common.cli import import_function
         from rlpipe.stages.score.contain import contain
 
+        if ref not in BUILTIN_TOOLS and ":" not in ref:
+            raise ValueError(f"environment.kwargs.tools: {ref!r} is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) "
+                             "nor an import path 'pkg.module:function'")
         fn = BUILTIN_TOOLS.get(ref) or import_function(ref, "environment.kwargs.tools")
         try:
             schema = get_json_schema(fn)
