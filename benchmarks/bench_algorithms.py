@@ -14,7 +14,9 @@ Variants (all on the demo's task, model, SFT warm start, rollouts and reward):
 Per seed, the set-up (task data, base model, SFT, the first evaluation) is run once by the first
 variant of each preset's task and copied into the other variants' run directories, where it is a
 cache hit (cache keys hold no paths), so every variant of a seed starts from the same warm start. Prints one markdown
-table: accuracy before (the warm start) and after, and the wall time of each run's iterations.
+table: accuracy before (the warm start) and after, and the wall time of each run's iterations
+(a rerun with the same --run-root finds every stage done: only the tables are new); for the
+tools variant a second table of how the runs use the calculator.
 """
 
 from __future__ import annotations
@@ -89,11 +91,42 @@ def main(argv: list[str] | None = None) -> int:
     print("| variant | seed | held-out problems | warm start | after | change | wall s |")
     print("|---|---|---|---|---|---|---|")
     for variant, seed, before, after, seconds, problems in rows:
-        print(f"| {variant} | {seed} | {problems} | {before:.2f} | {after:.2f} | {after - before:+.2f} | {seconds:.0f} |")
+        print(f"| {variant} | {seed} | {problems} | {before:.3f} | {after:.3f} | {after - before:+.3f} | {seconds:.0f} |")
     for variant in args.variants:
         got = [after for v, _, _, after, _, _ in rows if v == variant]
-        print(f"| {variant} | mean | | {sum(got) / len(got):.3f} | | |")
+        print(f"| {variant} | mean | | | {sum(got) / len(got):.3f} | | |")
+    episodes = [(variant, seed) for variant, seed, *_ in rows if VARIANTS[variant][0] == "demo_tools"]
+    if episodes:
+        print_episode_table(root, episodes, args.iterations)
     return 0
+
+
+def print_episode_table(root: Path, runs: list[tuple[str, int]], iterations: int) -> None:
+    """How the tool-use runs use the calculator: held-out tool calls per greedy episode before and
+    after, tool calls per sampled episode in the first and last iteration, and of the held-out
+    problems still wrong at the end, how many called the tool with the prompt's own expression."""
+    import json
+
+    import polars as pl
+
+    from rlpipe.pipelines.report import eval_metrics, run_table
+
+    print("\n| variant | seed | held-out tool calls / episode | sampled tool calls / episode, first -> last "
+          "iteration | held-out misses | of them with the right call |")
+    print("|---|---|---|---|---|---|")
+    for variant, seed in runs:
+        run_dir = root / f"{variant}_seed{seed}"
+        final = run_dir / f"iter_{iterations - 1:04d}" / "eval"
+        before, after = (eval_metrics(d)["tool_calls_per_episode"] for d in (run_dir / "eval_0000", final))
+        sampled = run_table(run_dir).sort("iteration")["tool_calls_mean"]
+        r = pl.read_parquet(final / "rollouts" / "part-*.parquet")
+        s = pl.read_parquet(final / "scores" / "part-*.parquet").select("group_id", "sample_index", "reward")
+        misses = r.join(s, on=["group_id", "sample_index"]).filter(pl.col("reward") == 0)
+        right_call = sum(any(json.loads(c["arguments"]).get("expression") == prompt.rstrip("=")
+                             for t in turns for c in t["tool_calls"])
+                         for prompt, turns in zip(misses["prompt"], misses["turns"], strict=True))
+        print(f"| {variant} | {seed} | {before:.2f} -> {after:.2f} | {sampled[0]:.2f} -> {sampled[-1]:.2f} "
+              f"| {misses.height} | {right_call} |")
 
 
 if __name__ == "__main__":
