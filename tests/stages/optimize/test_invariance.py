@@ -26,7 +26,11 @@ DRIVER = Path(__file__).with_name("torchrun_driver.py")
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_ranks_and_micro_batches_give_the_same_update(tmp_path, artifacts, tiny_policy_dir, make_config, read_metrics):
+@pytest.mark.parametrize("environment", [None, 0.0], ids=["single_turn", "episodes"])
+def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, build, tiny_policy_dir, make_config,
+                                                      read_metrics, environment):
+    """(episodes: 3 environment tokens in every response, masked out of every loss and count)"""
+    artifacts = build(tmp_path, tiny_tokenizer, environment=environment)
     # two optimizer steps of 8 rows each (minibatch 8 of 16 rows), grad clipping active
     common = dict(lr=1e-3, minibatch_size=8, epochs=1, grad_clip=1.0)
     configs = {}
