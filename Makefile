@@ -37,6 +37,7 @@ $(VLLM_BASE):
 	touch $(VLLM_BASE)
 
 $(VLLM_STAMP): $(VLLM_BASE) pyproject.toml
+	$(VLLM_PIP) "xxhash>=3.0"
 	$(VLLM_PIP) --no-deps -e .
 	touch $(VLLM_STAMP)
 

@@ -69,7 +69,9 @@ def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int
         "launch.rollout.workers=1", f"launch.rollout.cpus_per_task={threads}",
         f"launch.rollout.gpus_per_worker={gpus}",
         "launch.optimize.ranks_per_node=1", f"launch.optimize.cpus_per_task={threads}",
-        f"launch.optimize.gpus_per_node={gpus}"]
+        f"launch.optimize.gpus_per_node={gpus}",
+        # one GPU: the two resident groups take it by turns (refused otherwise, rlpipe.cluster.gpus)
+        *(["launch.share_gpus=[rollout,optimize]"] if gpus else [])]
     preset = load_preset("demo", [f"base_model.size={size}", "sft=null", f"iterations={iterations}",
                                   "eval_every=0", "loggers=[]", *DEFAULT_KEEP, *LAUNCHERS[launcher], *placement,
                                   *overrides])

@@ -16,8 +16,11 @@ Resident (`launch.resident`, the default for the stages of the RL iterations): t
 per placed stage for the whole run (`group_manifests`), whose pods run `rlpipe.cluster.worker`
 members of the stage's group (`--member $JOB_COMPLETION_INDEX` for 'shards' stages) and take each
 iteration's call as a work order from the run volume; their per-call output goes to the run's
-logs/ on that volume. The driver deletes them when the run ends; members on other pods than the
-driver's leave by themselves when its heartbeat stops (`launch.driver_timeout_s`).
+logs/ on that volume. The driver deletes them when the run ends (or a call fails) and waits for
+their pods' deletion, so a group started after a failure never runs beside them; members on other
+pods than the driver's leave by themselves when its heartbeat stops (`launch.driver_timeout_s`). A
+failed pod's exit code (137: the OOM killer) and completion index name the member that failed; a
+pod without one (evicted, its node lost) was lost.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from typing import Any
 
 import yaml
 
-from rlpipe.cluster.launchers import PlacedLauncher, StageLaunchError, stage_argv, worker_argv
+from rlpipe.cluster.failures import StageLaunchError
+from rlpipe.cluster.launchers import PlacedLauncher, stage_argv, worker_argv
 from rlpipe.cluster.placement import KubernetesSpec, StagePlacement
 from rlpipe.cluster.submit import JobSpec, render_k8s
 from rlpipe.cluster.workorders import WORKERS_DIR, GroupDir
@@ -185,25 +189,57 @@ class JobGroup:
     def __init__(self, docs: list[dict[str, Any]], k: KubernetesSpec, logs: Path, stage: str):
         self.docs, self.k, self.ns = docs, k, ["--namespace", k.namespace]
         self.name = docs[-1]["metadata"]["name"]
+        self.per_member = get_stage(stage).scaling != "ranks"  # (a pod per member, its index the member's)
         self.logs = sorted(logs.glob(f"{stage}.*.log"))  # (none: the pods' own output stays in kubectl logs)
         self._last, self._ended = 0.0, None
         _kubectl("apply", *self.ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
 
-    def ended(self) -> tuple[int, int | None] | None:
+    def ended(self) -> tuple[int | None, int | None] | None:
         if self._ended is None and time.monotonic() - self._last >= self.k.poll_seconds:
             self._last = time.monotonic()
             status = json.loads(_kubectl("get", "job", self.name, *self.ns, "-o", "json")).get("status", {})
             conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
             if conditions.get("Failed") == "True":
-                self._ended = (1, None)
+                code, index = failed_pod(self.name, self.ns)
+                self._ended = (code, index if self.per_member else None)
             elif conditions.get("Complete") == "True":
                 self._ended = (0, None)
         return self._ended
 
     def stop(self, grace: float) -> None:
-        for doc in self.docs:
-            _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *self.ns, "--ignore-not-found",
-                     f"--grace-period={int(grace)}", "--wait=false", check=False)
+        """Delete the Job (and Service), then wait until its pods are deleted: a new group of the
+        stage never runs beside them."""
+        delete_and_wait(self.docs, self.name, self.ns, grace)
+
+
+def delete_and_wait(docs: list[dict[str, Any]], job: str, ns: list[str], grace: float) -> None:
+    """Delete the objects `docs` made, then wait for the pods of Job `job` to be gone (a pod on a
+    lost node is never confirmed gone: the wait ends after grace + 60 s; the members' heartbeats
+    then tell, `rlpipe.cluster.resident.wait_gone`)."""
+    for doc in docs:
+        _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *ns, "--ignore-not-found",
+                 f"--grace-period={int(grace)}", "--wait=false", check=False)
+    _kubectl("wait", "--for=delete", "pod", "-l", f"job-name={job}", *ns, f"--timeout={int(grace) + 60}s",
+             check=False)
+
+
+def failed_pod(job: str, ns: list[str]) -> tuple[int | None, int | None]:
+    """(exit code, completion index) of a failed pod of Job `job`: its container's exit code
+    (137 when the OOM killer or a SIGKILL ended it); (None, index) when it has none (evicted, its
+    node lost), (None, None) when no failed pod is left to tell."""
+    pods = json.loads(_kubectl("get", "pods", "-l", f"job-name={job}", *ns, "-o", "json", check=False) or "{}")
+    for pod in pods.get("items", []):
+        status = pod.get("status", {})
+        if status.get("phase") != "Failed":
+            continue
+        index = pod.get("metadata", {}).get("annotations", {}).get("batch.kubernetes.io/job-completion-index")
+        member = int(index) if index is not None else None
+        for container in status.get("containerStatuses", []):
+            terminated = container.get("state", {}).get("terminated")
+            if terminated and terminated.get("exitCode") is not None:
+                return int(terminated["exitCode"]), member
+        return None, member
+    return None, None
 
 
 class KubernetesLauncher(PlacedLauncher):
@@ -230,9 +266,10 @@ class KubernetesLauncher(PlacedLauncher):
             log.write_text(_kubectl("logs", "-l", f"job-name={name}", *ns, "--prefix", "--tail=-1",
                                     "--all-containers", check=False))
             if conditions.get("Failed") == "True":
-                raise StageLaunchError(call.name, None, log, f"Job {name} failed: {status.get('failed', 0)} pod(s)")
+                code, index = failed_pod(name, ns)
+                member = index if get_stage(call.name).scaling != "ranks" else None
+                raise StageLaunchError(call.name, code, log, f"Job {name} failed: {status.get('failed', 0)} pod(s) "
+                                       "without an exit code (a lost node, an eviction?)", member, lost=code is None)
         finally:
-            for doc in docs:
-                _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *ns, "--ignore-not-found",
-                         "--wait=false", check=False)
+            delete_and_wait(docs, name, ns, 30)
         return log

@@ -42,11 +42,13 @@ def deepspeed_template(stage: int) -> dict[str, Any]:
 def stage_command(stage: str, args: Sequence[str] = (), *, nproc_per_node: int = 1, nnodes: int = 1,
                   node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 29500,
                   launcher: Launcher = "torchrun", hostfile: str | None = None,
-                  module: str | None = None) -> list[str]:
+                  module: str | None = None, log_dir: str | None = None) -> list[str]:
     """argv that runs `python -m rlpipe.stages.<stage> <args>` on nnodes x nproc_per_node ranks.
 
     Args:
         module: run this module instead of the stage's (a resident worker: rlpipe.cluster.worker).
+        log_dir: torchrun's folder for its per-rank files (default: a new `torchelastic_*` folder
+            in the temporary directory, which torchrun leaves behind).
         launcher: 'torchrun' (sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_*) or 'deepspeed'
             (the deepspeed launcher; with `hostfile` it ssh-es to the listed hosts itself).
     """
@@ -58,7 +60,7 @@ def stage_command(stage: str, args: Sequence[str] = (), *, nproc_per_node: int =
     if launcher == "torchrun":
         return ["torchrun", "--nproc_per_node", str(nproc_per_node), "--nnodes", str(nnodes),
                 "--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(master_port),
-                "-m", module, *args]
+                *(["--log-dir", log_dir] if log_dir else []), "-m", module, *args]
     if launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc_per_node)]
         if hostfile is not None:

@@ -23,7 +23,8 @@ cache key, is that of `rlpipe stage <name> -c <file>`: a stage whose manifest ma
 itself when it starts (resume), and the artifacts equal the in-process run's. The manifest is the
 completion signal: a launch succeeds when every process exited 0 and every output of the call
 has its manifest. A failed launch raises `StageLaunchError` with the exit code and the tail of
-the stage's log (runs/<run>/logs/<iteration>/<stage>.log).
+the stage's log (runs/<run>/logs/<iteration>/<stage>.log); a process killed by a signal is a
+`WorkerLost`, the machine's failure (`rlpipe.cluster.failures`).
 
 Addresses are explicit: single-machine launches rendezvous on 127.0.0.1 at a free port, and
 gloo is told to use the loopback interface (GLOO_SOCKET_IFNAME), so nothing listens on a
@@ -33,59 +34,27 @@ network address; Slurm and Kubernetes launches rendezvous at the first node of t
 from __future__ import annotations
 
 import os
-import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from rlpipe.cluster.failures import StageLaunchError
 from rlpipe.cluster.launch import LOOPBACK, free_port, local_env, stage_command, torchrun_executable
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas import Manifest
-from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.runs import iteration_index
 from rlpipe.stages import get_stage
 
 if TYPE_CHECKING:
     from rlpipe.cluster.resident import Handle
     from rlpipe.cluster.workorders import GroupDir
-
-LOG_TAIL_LINES = 40
-
-
-class StageLaunchError(RuntimeError):
-    """A launched stage failed: its exit code and the tail of its log. Not a UserError: a crashed
-    worker can be transient, so Prefect retries it as configured in the stage registry. Exit code
-    2, the stage's own report of a user error, makes it a `StageUserError`: not retried, shown as
-    one `error:` paragraph."""
-
-    def __new__(cls, stage: str, exit_code: int | None, log: Path, detail: str = ""):
-        user = rank_exit_code(exit_code, log) == 2
-        return super().__new__(StageUserError if cls is StageLaunchError and user else cls)
-
-    def __init__(self, stage: str, exit_code: int | None, log: Path, detail: str = ""):
-        self.stage, self.log, self.detail = stage, log, detail
-        self.launcher_exit_code, self.exit_code = exit_code, rank_exit_code(exit_code, log)
-        how = f"exit code {self.exit_code}" if exit_code is not None else detail
-        how += f", torchrun's {exit_code}" if self.exit_code != exit_code else ""
-        tail = log_tail(log)
-        cause = _last_error(log)
-        cause = f"\n{cause}" if cause and cause not in tail else ""
-        super().__init__(f"stage {stage} failed ({how}){cause}\nlast lines of {log}:\n{tail}"
-                         if tail else f"stage {stage} failed ({how}); no output in {log}")
-
-    def __reduce__(self):  # (pickled as it was made: the message is built from these)
-        return StageLaunchError, (self.stage, self.launcher_exit_code, self.log, self.detail)
-
-
-class StageUserError(StageLaunchError, UserError):
-    """A launched stage stopped on a user error (exit code 2: its `error:` line is in the log's tail)."""
-
 
 class Launcher(Protocol):
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest: ...
@@ -103,36 +72,46 @@ class InProcessLauncher:
     policy in place (`rlpipe.stages.rollout.vllm_engine.make_room`)."""
 
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
-        engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
-        if engine is not None and get_stage(call.name).scaling == "ranks":
-            engine.make_room()
+        if get_stage(call.name).scaling == "ranks":
+            make_room_here()
         return get_stage(call.name).run(call.config, force=force)
 
     def close(self, *, wait: bool = False) -> None:
         pass
 
 
+def make_room_here() -> str:
+    """Free the GPU memory of the vLLM engine a rollout left in this process, for a training stage
+    on the same GPUs (`rlpipe.stages.rollout.vllm_engine.make_room`: 'slept', 'released', 'kept');
+    'none' when no rollout here imported vLLM (nothing is imported to find out). Called by the
+    in-process launcher and by resident members on a make-room order (`launch.share_gpus`)."""
+    engine = sys.modules.get("rlpipe.stages.rollout.vllm_engine")
+    return "none" if engine is None else engine.make_room()
+
+
 run_in_process = InProcessLauncher()
 
 
-def launcher_for(launch: Launch) -> Launcher:
-    """The launcher the preset's `launch.launcher` names."""
+def launcher_for(launch: Launch, resident: Collection[str] = (), overlapped: bool = False) -> Launcher:
+    """The launcher the preset's `launch.launcher` names; `resident`: the stages the iterations call
+    (their placed groups stay for the run), `overlapped`: the iterations overlap (async); both
+    decide the GPUs of the stages it starts on this machine (`rlpipe.cluster.gpus.assign_gpus`)."""
     if launch.launcher == "local":
         return run_in_process
     return {"processes": ProcessLauncher, "slurm": _slurm_launcher, "kubernetes": _kubernetes_launcher,
-            "prefect": PrefectPoolLauncher}[launch.launcher](launch)
+            "prefect": PrefectPoolLauncher}[launch.launcher](launch, resident, overlapped)
 
 
-def _slurm_launcher(launch: Launch) -> Launcher:
+def _slurm_launcher(launch: Launch, resident: Collection[str], overlapped: bool) -> Launcher:
     from rlpipe.cluster.srun import SlurmLauncher
 
-    return SlurmLauncher(launch)
+    return SlurmLauncher(launch, resident, overlapped)
 
 
-def _kubernetes_launcher(launch: Launch) -> Launcher:
+def _kubernetes_launcher(launch: Launch, resident: Collection[str], overlapped: bool) -> Launcher:
     from rlpipe.cluster.kubernetes import KubernetesLauncher
 
-    return KubernetesLauncher(launch)
+    return KubernetesLauncher(launch, resident, overlapped)
 
 
 # -- what every launcher shares ---------------------------------------------------------------
@@ -143,13 +122,6 @@ def log_dir(call: StageCall) -> Path:
     if iteration_index(where.name) is not None:
         return where.parent / "logs" / where.name
     return where / "logs" / "setup"
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    if not path.is_file():
-        return ""
-    text = path.read_text(errors="replace").rstrip("\n").splitlines()
-    return "\n".join(text[-lines:])
 
 
 def completed(call: StageCall, log: Path) -> Manifest:
@@ -167,31 +139,6 @@ def completed(call: StageCall, log: Path) -> Manifest:
             raise StageLaunchError(call.name, None, log, f"its processes exited 0 but {path} has no "
                                    "valid manifest") from None
     return recorded_manifest(next(iter(outputs.values())))
-
-
-def rank_exit_code(exit_code: int | None, log: Path) -> int | None:
-    """The failed rank's exit code: torchrun exits 1 whatever its rank's code was (a user error's
-    2 included), and names that code in the 'Root Cause' block it prints last."""
-    if exit_code != 1 or not log.is_file():
-        return exit_code
-    found = _ROOT_CAUSE.findall(log.read_text(errors="replace"))
-    return int(found[-1]) if found else exit_code
-
-
-_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.S)
-
-
-def _last_error(log: Path) -> str:
-    """The last `SomeError: ...` line of a log that is not the launcher's own (torchrun prints its
-    ChildFailedError after the rank's traceback, which then scrolls out of the tail)."""
-    if not log.is_file():
-        return ""
-    found = [line for line in log.read_text(errors="replace").splitlines()
-             if _ERROR_LINE.search(line) and "ChildFailedError" not in line]
-    return found[-1] if found else ""
-
-
-_ERROR_LINE = re.compile(r"(^|\s)(\w+(Error|Exception)|error): ")
 
 
 def stage_argv(call: StageCall, force: bool) -> list[str]:
@@ -221,11 +168,12 @@ class PlacedLauncher:
     """A launcher for placed stages; unplaced stages run in the driver's process. A placed stage
     of the RL iterations runs on its resident group (`launch.resident`), others per call."""
 
-    def __init__(self, launch: Launch):
+    def __init__(self, launch: Launch, resident: Collection[str] = (), overlapped: bool = False):
+        from rlpipe.cluster.gpus import assign_gpus
         from rlpipe.cluster.resident import ResidentGroups
 
-        self.launch = launch
-        self.groups = ResidentGroups(launch, self.start_group)
+        self.launch = assign_gpus(launch, resident, overlapped=overlapped)  # (refused here: before anything starts)
+        self.groups = ResidentGroups(self.launch, self.start_group)
 
     def __call__(self, call: StageCall, *, force: bool = False) -> Manifest:
         placement = self.launch.placement(call.name)
@@ -234,6 +182,7 @@ class PlacedLauncher:
         logs = log_dir(call)
         logs.mkdir(parents=True, exist_ok=True)
         if self.launch.resident and iteration_index(logs.name) is not None:
+            self.groups.make_room(self.launch.make_room_for(call.name), logs)  # (GPUs shared with a trainer)
             return completed(call, self.groups.run(call, placement, force, logs))
         return completed(call, self.start(call, placement, force, logs))
 
@@ -257,6 +206,10 @@ class Process:
     argv: list[str]
     env: dict[str, str]
     log: Path
+    scratch: Path | None = None
+    """A folder the process writes for its launcher only (torchrun's --log-dir, which it would
+    otherwise make in the temporary directory and leave there): emptied before the process
+    starts, removed once it has ended."""
 
 
 def local_processes(call: StageCall, p: StagePlacement, force: bool, logs: Path) -> list[Process]:
@@ -285,24 +238,29 @@ def placed_processes(stage: str, p: StagePlacement, argv: list[str], logs: Path,
     scaling = get_stage(stage).scaling
     env = process_env(p, loopback=True)
     if scaling == "ranks":
+        scratch = logs / f".{stage}.torchrun"
         cmd = stage_command(stage, argv[2:], nproc_per_node=p.ranks_per_node, master_addr=LOOPBACK,
-                            master_port=free_port(), module=argv[1])
-        return [Process([torchrun_executable(), *cmd[1:]], env, logs / f"{stage}.log")]
+                            master_port=free_port(), module=argv[1], log_dir=str(scratch))
+        return [Process([torchrun_executable(), *cmd[1:]], _gpus(env, p.worker_gpus(0)), logs / f"{stage}.log", scratch)]
     if scaling == "shards" and p.workers > 1:
         return [Process([sys.executable, *argv, *split(i, p.workers)],
-                        _gpus(env, range(i * p.gpus, (i + 1) * p.gpus)), logs / f"{stage}.{i}.log")
+                        _gpus(env, p.worker_gpus(i)), logs / f"{stage}.{i}.log")
                 for i in range(p.workers)]
-    return [Process([sys.executable, *argv], _gpus(env, range(p.gpus)), logs / f"{stage}.log")]
+    return [Process([sys.executable, *argv], _gpus(env, p.worker_gpus(0)), logs / f"{stage}.log")]
 
 
-def _gpus(env: dict[str, str], ids: range) -> dict[str, str]:
-    """Worker i of a GPU placement sees its own GPUs only."""
-    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if len(ids) else env
+def _gpus(env: dict[str, str], ids: Sequence[int]) -> dict[str, str]:
+    """A process of a GPU placement sees its own GPUs only (`ids`: of the driver's)."""
+    from rlpipe.cluster.gpus import cuda_visible_devices
+
+    return {**env, "CUDA_VISIBLE_DEVICES": cuda_visible_devices(ids, env.get("CUDA_VISIBLE_DEVICES"))} if ids else env
 
 
 def start_processes(procs: Sequence[Process], running: list[tuple[Process, subprocess.Popen]]) -> None:
     """Start every process (each in its own session, output to its log), appending to `running`."""
     for proc in procs:
+        if proc.scratch is not None:
+            shutil.rmtree(proc.scratch, ignore_errors=True)  # (a killed driver's)
         with open(proc.log, "wb") as out:  # the child keeps its own copy of the descriptor
             running.append((proc, subprocess.Popen(proc.argv, env=proc.env, stdout=out, stdin=subprocess.DEVNULL,
                                                    stderr=subprocess.STDOUT, start_new_session=True)))
@@ -325,6 +283,13 @@ def run_processes(stage: str, procs: Sequence[Process], poll: float = 0.05) -> N
             time.sleep(poll)
     finally:
         _stop([popen for _, popen in running])
+        _remove_scratch(procs)
+
+
+def _remove_scratch(procs: Sequence[Process]) -> None:
+    for proc in procs:
+        if proc.scratch is not None:
+            shutil.rmtree(proc.scratch, ignore_errors=True)
 
 
 def _stop(popens: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
@@ -368,6 +333,7 @@ class ProcessGroup:
 
     def stop(self, grace: float) -> None:
         _stop([popen for _, popen in self.running], grace)
+        _remove_scratch([proc for proc, _ in self.running])
 
 
 class ProcessLauncher(PlacedLauncher):

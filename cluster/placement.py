@@ -13,12 +13,14 @@ cluster also runs on a laptop with `launch.launcher=local`). What a stage may as
 registry entry's `scaling` (`rlpipe.stages.STAGES`): 'shards' stages take `workers` (and
 `gpus_per_worker`), 'ranks' stages take `nodes`, `ranks_per_node` (and `gpus_per_node`),
 'single' stages one process (and `gpus_per_worker`). Placement never changes what a stage
-computes: its artifacts and cache keys are those of the in-process run.
+computes: its artifacts and cache keys are those of the in-process run. On the driver's machine
+(`processes`) a stage may name its GPUs (`gpu_ids`), and resident groups that would hold the same
+GPU are refused unless `share_gpus` names both (`rlpipe.cluster.gpus`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,7 +33,7 @@ that pool's workers (which start the stage's processes as `processes` would); th
 `processes`."""
 
 #: The settings of the `launch` section that are not stage names.
-SETTINGS = ("launcher", "resident", "stall_timeout_s", "driver_timeout_s", "kubernetes", "stages")
+SETTINGS = ("launcher", "resident", "stall_timeout_s", "driver_timeout_s", "share_gpus", "kubernetes", "stages")
 
 
 class _Spec(BaseModel):
@@ -58,6 +60,12 @@ class StagePlacement(_Spec):
     """prefect launcher: the Prefect work pool whose workers run this stage (a deployment
     `rlpipe-stage/<pool>`, made by `python -m rlpipe.flows.deploy --stage-pool <pool>`); the run
     directory must be on a filesystem those workers share. None: the driver's machine."""
+    gpu_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    """processes launcher: the GPUs of this machine the stage uses, numbered as the driver sees
+    them (positions in its CUDA_VISIBLE_DEVICES when set), as many as it asks for (workers x
+    gpus_per_worker, or gpus_per_node): worker i takes the i-th gpus_per_worker of them, the ranks
+    of a 'ranks' stage share them. None: assigned when the run starts (`rlpipe.cluster.gpus`),
+    each resident group GPUs of its own while the machine has enough."""
 
     @property
     def processes(self) -> int:
@@ -68,6 +76,17 @@ class StagePlacement(_Spec):
     def gpus(self) -> int:
         """GPUs of one process: per worker, or per node shared by its ranks."""
         return self.gpus_per_worker or self.gpus_per_node
+
+    @property
+    def gpus_on_a_node(self) -> int:
+        """GPUs the stage uses on one node: its workers' (all on this machine), or gpus_per_node."""
+        return self.gpus_per_worker * self.workers or self.gpus_per_node
+
+    def worker_gpus(self, worker: int) -> tuple[int, ...]:
+        """The GPU ids worker `worker` sees (a 'ranks' stage: worker 0, all its ranks): its block of
+        `gpu_ids`, or of 0, 1, ... when none were given."""
+        ids = self.gpu_ids if self.gpu_ids is not None else tuple(range(self.gpus_on_a_node))
+        return ids[worker * self.gpus:(worker + 1) * self.gpus]
 
 
 class KubernetesSpec(_Spec):
@@ -105,6 +124,13 @@ class Launch(_Spec):
     """Resident groups on other hosts than the driver's: workers leave when the driver's
     heartbeat (rewritten every driver_timeout_s / 6) stops for this long. On the driver's host
     they watch its process and leave within a second of its death."""
+    share_gpus: tuple[str, ...] = ()
+    """processes launcher: placed stages whose resident groups may hold the same GPUs and take them
+    by turns, e.g. [rollout, optimize] on a machine with one GPU. Before every call of a training
+    stage ('ranks': optimize) the groups sharing its GPUs make room, as the stages of one process
+    do: a vLLM engine sleeps (its weights and KV cache freed) and the next rollout wakes it with
+    the new policy. Without it, two resident groups that would hold one GPU are refused when the
+    run starts (a vLLM engine keeps gpu_memory_utilization of its GPU for the whole run)."""
     stages: dict[str, StagePlacement] = Field(default_factory=dict)
     """Stage name -> placement. Written in a preset as keys of `launch` itself
     (`launch: {rollout: {workers: 4}}`)."""
@@ -157,10 +183,41 @@ class Launch(_Spec):
             if self.launcher in ("processes", "prefect") and p.nodes > 1:
                 raise ValueError(f"launch.{name}: nodes={p.nodes}, but the processes launcher runs on "
                                  "this machine; use launcher slurm or kubernetes for several nodes")
+            _check_gpu_ids(name, p, self.launcher)
+        unplaced = [s for s in self.share_gpus if s not in self.stages]
+        if unplaced:
+            raise ValueError(f"launch.share_gpus: {', '.join(unplaced)} not placed (placed: "
+                             f"{', '.join(self.stages) or 'none'}); it names placed stages that may share GPUs")
         return self
+
+    def make_room_for(self, stage: str) -> list[str]:
+        """The placed stages whose groups make room on the GPUs before `stage` runs: for a training
+        stage ('ranks'), those of `share_gpus` whose GPU ids (as `rlpipe.cluster.gpus.assign_gpus`
+        filled them in) meet its own."""
+        from rlpipe.stages import STAGES
+
+        mine = self.stages.get(stage)
+        if mine is None or STAGES[stage].scaling != "ranks" or stage not in self.share_gpus:
+            return []
+        held = set(mine.worker_gpus(0))
+        return [s for s in self.share_gpus if s != stage and held & set(self.stages[s].gpu_ids or ())]
 
     def placement(self, stage: str) -> StagePlacement | None:
         """The placement of `stage`, or None when it runs in the driver's process."""
         if self.launcher == "local":
             return None
         return self.stages.get(stage)
+
+
+def _check_gpu_ids(stage: str, p: StagePlacement, launcher: str) -> None:
+    """A stage's `gpu_ids`: for the processes on this machine, one per GPU it asks for, distinct."""
+    if p.gpu_ids is None:
+        return
+    if launcher in ("slurm", "kubernetes"):
+        raise ValueError(f"launch.{stage}.gpu_ids: the {launcher} launcher gives every step or pod GPUs of its "
+                         "own; gpu_ids number the GPUs of the driver's machine (launcher processes)")
+    if len(p.gpu_ids) != p.gpus_on_a_node or len(set(p.gpu_ids)) != len(p.gpu_ids):
+        asked = (f"{p.workers} x gpus_per_worker {p.gpus_per_worker}" if p.gpus_per_worker
+                 else f"gpus_per_node {p.gpus_per_node}")
+        raise ValueError(f"launch.{stage}.gpu_ids: {list(p.gpu_ids)}, but the stage asks for {p.gpus_on_a_node} "
+                         f"GPUs ({asked}): give that many distinct ids")

@@ -9,28 +9,32 @@ every member's answer. Set-up stages (called once: sft, reward_model) launch per
 
 Faults end a call within seconds, never in a hang, with a `StageLaunchError` naming the stage and
 the tail of its log: a member that answers with a non-zero exit code; a member process that dies
-(its launcher's handle reports it); members alive but silent (no log output) for
-`launch.stall_timeout_s`. The failed group is stopped and the next call starts a fresh one (whose
-optimize replays from the last saved train state, as any fresh process does). Members leave when
-the run ends (a stop order), when the driver is interrupted (`close`), and when it dies (their
-watchdog sees its pid or heartbeat go): no worker outlives its run.
+(its launcher's handle reports it: killed by a signal or gone without an exit code, it is a
+`WorkerLost`, the machine's failure, also when its peers failed first because of it); members
+alive but silent (no log output) for `launch.stall_timeout_s`. The failed group is stopped, and
+the next call (a retry, or the same command rerun) starts a fresh one only once every old member
+is gone (whose optimize replays from the last saved train state, as any fresh process does).
+Members leave when the run ends (a stop order), when the driver is interrupted (`close`), and
+when it dies (their watchdog sees its pid or heartbeat go): no worker outlives its run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from rlpipe.cluster.launchers import StageLaunchError
+from rlpipe.cluster.failures import StageLaunchError, killed_by, root_cause
 from rlpipe.cluster.placement import Launch, StagePlacement
-from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members
+from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members, still_running
 from rlpipe.pipelines.plan import StageCall
+from rlpipe.schemas.errors import MachineError
 from rlpipe.stages import get_stage
 
 #: Seconds a stopped group gets to leave before it is killed.
@@ -44,12 +48,15 @@ MEMBER_TIMEOUT_S = 10.0
 class Handle(Protocol):
     """The processes of a started group, as its launcher sees them."""
 
-    def ended(self) -> tuple[int, int | None] | None:
-        """(exit code, member or None) of a process of the group that has ended; None while all run."""
+    def ended(self) -> tuple[int | None, int | None] | None:
+        """(exit code, member or None) of a process of the group that has ended; None while all
+        run. An exit code of None: it ended without one (a pod evicted or on a lost node, a flow
+        run that crashed): the member was lost."""
         ...
 
     def stop(self, grace: float) -> None:
-        """End every process of the group (a stop order was sent first: they may have left)."""
+        """End every process of the group (a stop order was sent first: they may have left), and
+        wait until they have ended: processes, pods deleted, a flow run in a final state."""
         ...
 
     @property
@@ -84,6 +91,10 @@ class ResidentGroup:
         self.stall_timeout_s = stall_timeout_s
         self.seq = 0
         self.started_at = time.monotonic()
+        self.gone = False
+        """Stopped, and every member has left (`stop`): a new group of the stage may start."""
+        self.pids: dict[int, int | None] = {}
+        """The processes of the members that failed the stop order (`stop`)."""
 
     def run(self, call: StageCall, force: bool, logs: Path) -> Path:
         """Send `call` as the next order and wait for every member's answer; returns the first
@@ -97,25 +108,35 @@ class ResidentGroup:
         self._wait(out)
         return out[0]
 
+    def make_room(self, logs: Path) -> None:
+        """A make-room order (`rlpipe.cluster.worker`: free the GPU memory the member's engine holds)
+        and every member's answer; its lines go to this iteration's log of the stage, under `logs`."""
+        self.seq += 1
+        out = {m: order_log(logs, self.stage, m, self.members) for m in range(self.members)}
+        self.group.send(self.seq, {"make_room": True, "logs": {str(m): str(p.absolute()) for m, p in out.items()}})
+        self._wait(out)
+
     def _wait(self, out: dict[int, Path]) -> None:
         watched = [*set(out.values()), *self.handle.logs]
         size, changed = -1, time.monotonic()
         while True:
             answers = self.group.answers(self.seq, self.members)
-            failed = sorted(m for m, a in answers.items() if a["exit_code"] != 0)
+            # (an exit by a signal, 143 when torchrun ends the peers of a failed rank, comes last)
+            failed = sorted((m for m, a in answers.items() if a["exit_code"] != 0),
+                            key=lambda m: (killed_by(answers[m]["exit_code"]) is not None, m))
             if failed:
-                raise StageLaunchError(self.stage, answers[failed[0]]["exit_code"], out[failed[0]])
+                first = answers[failed[0]]
+                # A peer lost mid-order makes the others fail too (a collective whose rank died,
+                # a save it shared): the loss is the cause.
+                raise self._lost(answers, out) or StageLaunchError(
+                    self.stage, first["exit_code"], out[failed[0]], member=failed[0], pid=first["pid"])
             if len(answers) == self.members:
                 return
             ended = self.handle.ended()
             if ended is not None:
-                code, member = ended
                 if self.group.answers(self.seq, self.members).keys() != answers.keys():
                     continue  # it answered and left between the two looks: read the answer
-                log = out[member or 0]
-                if _size(log) == 0 and self.handle.logs:  # it died before its first order: its own log
-                    log = self.handle.logs[min(member or 0, len(self.handle.logs) - 1)]
-                raise StageLaunchError(self.stage, code, log)
+                raise self._ended(*ended, out)
             now_size = sum(_size(p) for p in watched)
             if not self.group.all_ready(self.members):  # starting: imports, a pod pending, a pool's queue
                 if time.monotonic() - self.started_at > self.stall_timeout_s:
@@ -132,11 +153,42 @@ class ResidentGroup:
                     "stopped them"))
             time.sleep(POLL_S)
 
-    def stop(self, grace: float = STOP_GRACE_S) -> dict[int, int]:
+    def _ended(self, code: int | None, member: int | None, out: dict[int, Path]) -> StageLaunchError:
+        """The error of a group whose process ended (`Handle.ended`) before every member answered."""
+        pid = None
+        if member is None and self.handle.logs:  # one torchrun job: the rank its report names
+            rank, rank_code, pid = root_cause(self.handle.logs[0])
+            if rank is not None:
+                member, code = rank, rank_code
+        log = out[member or 0]
+        if _size(log) == 0 and self.handle.logs:  # it died before its first order: its own log
+            log = self.handle.logs[min(member or 0, len(self.handle.logs) - 1)]
+        record = self.group.member_record(member) if member is not None else None
+        pid = pid or (record or {}).get("pid")
+        return StageLaunchError(self.stage, code, log, "its process ended without an exit code: a lost node, "
+                                "an eviction?", member, pid, lost=code is None)
+
+    def _lost(self, answers: dict[int, dict], out: dict[int, Path]) -> StageLaunchError | None:
+        """A member of this host that has not answered and is gone without leaving (killed), if any."""
+        here = socket.gethostname()
+        for m in range(self.members):
+            record = self.group.member_record(m)
+            if m in answers or record is None or self.group.has_exited(m):
+                continue
+            if record["host"] == here and not still_running(record):
+                return StageLaunchError(self.stage, None, out[m], "its process is gone without an answer or an "
+                                        "exit: killed (the OOM killer, a preemption?)", m, record["pid"], lost=True)
+        return None
+
+    def stop(self, grace: float = STOP_GRACE_S) -> dict[int, int | None]:
         """A stop order, `grace` seconds to leave (members finish what they write in the
-        background first), then the handle's stop; the group folder goes. Returns the members
-        whose answer to the stop order was an exit code other than 0 (a background save failed),
-        with that code. Best effort: it never raises (it runs while another error is raised)."""
+        background first), then the handle's stop (which waits for the processes, pods or flow
+        run to end), then until every member is gone (`wait_gone`: its own record says so, on
+        any host); the group folder goes with them. `gone` says whether they went. Returns the
+        members whose answer to the stop order was an exit code other than 0 (a background save
+        failed), with that code, and those that gave none (None: lost before they could finish
+        what they wrote in the background). Best effort: it never raises (it runs while another
+        error is raised)."""
         stop = self.seq + 1
         with contextlib.suppress(OSError):
             self.group.send(stop, {"stop": True})
@@ -145,14 +197,31 @@ class ResidentGroup:
             if not answered and len(self.group.answers(stop, self.members)) == self.members:
                 answered, deadline = True, min(deadline, time.monotonic() + STOP_GRACE_S)  # leaving now
             time.sleep(POLL_S)
-        failed = {m: a["exit_code"] for m, a in self.group.answers(stop, self.members).items() if a["exit_code"]}
+        answers, ended = self.group.answers(stop, self.members), self.handle.ended()
+
+        def gone_with(m: int) -> int | None:  # how an unanswering member's process ended, where its handle tells
+            return ended[0] if ended is not None and ended[0] != 0 and ended[1] in (None, m) else None
+
+        failed = {m: answers[m]["exit_code"] if m in answers else gone_with(m) for m in range(self.members)
+                  if m not in answers or answers[m]["exit_code"]}
+        self.pids = {m: (self.group.member_record(m) or {}).get("pid") for m in failed}  # (the folder goes)
         try:
             self.handle.stop(grace=STOP_GRACE_S)
         except Exception as e:  # (a scheduler's API call: the members leave with their driver anyway)
             print(f"rlpipe: stopping the {self.stage} workers: {type(e).__name__}: {e}", file=sys.stderr)
         finally:
-            shutil.rmtree(self.group.path, ignore_errors=True)
+            self.wait_gone(ABANDON_WAIT_S)
         return failed
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Until no member may still run (at most `timeout` s; members still there are told to
+        leave), then the group folder goes; whether they went (`gone`)."""
+        with contextlib.suppress(OSError):
+            self.group.abandon()
+        self.gone = not wait_gone([self.group], timeout)
+        if self.gone:
+            shutil.rmtree(self.group.path, ignore_errors=True)
+        return self.gone
 
     def member_log(self, member: int) -> Path | None:
         """The member's own output (start-up, between orders, its stop), where its launcher keeps one."""
@@ -178,6 +247,8 @@ class ResidentGroups:
         """How many groups of each stage this run started (1 per placed stage, unless one failed)."""
         self._beating = threading.Event()
         self._swept: set[Path] = set()
+        self._leaving: dict[str, ResidentGroup] = {}
+        """Stopped groups whose members had not all gone within the wait (stage -> group)."""
 
     def run(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
         """Run `call` on its stage's group (started now if it has none); returns its log."""
@@ -187,11 +258,34 @@ class ResidentGroups:
         try:
             return group.run(call, force, logs)
         except BaseException:
-            self.groups.pop(call.name, None)
-            group.stop()
+            self._drop(call.name, group)
             raise
 
+    def make_room(self, stages: Sequence[str], logs: Path) -> None:
+        """The live groups of `stages` free the GPU memory their engines hold (a vLLM engine sleeps,
+        the next rollout wakes it), before a training stage on the same GPUs (`Launch.make_room_for`)."""
+        for name in stages:
+            group = self.groups.get(name)
+            if group is None:
+                continue
+            try:
+                group.make_room(logs)
+            except BaseException:
+                self._drop(name, group)
+                raise
+
+    def _drop(self, stage: str, group: ResidentGroup) -> None:
+        """A group whose order failed: stopped; the next call of the stage starts a fresh one."""
+        self.groups.pop(stage, None)
+        group.stop()
+        if not group.gone:
+            self._leaving[stage] = group
+
     def _start(self, call: StageCall, p: StagePlacement, logs_root: Path) -> ResidentGroup:
+        old = self._leaving.pop(call.name, None)
+        if old is not None and not old.wait_gone(ABANDON_WAIT_S):  # (a retry: never beside the old members)
+            self._leaving[call.name] = old
+            raise _still_running(old.group, f"the failed {call.name} group")
         run_dir = logs_root.parent
         if run_dir not in self._swept:  # groups an earlier (killed) driver of this run left
             sweep(run_dir / WORKERS_DIR)
@@ -240,27 +334,44 @@ class ResidentGroups:
         if failures and wait:  # the run's last train state (written in the background) is missing
             group, member, code = failures[0]
             log = group.member_log(member)
-            raise StageLaunchError(group.stage, code, log or group.group.path,
-                                   "" if log else "its last background save failed")
+            raise StageLaunchError(group.stage, code, log or group.group.path, "it did not answer the stop order: "
+                                   "its last background save (the run's last train state) is unfinished",
+                                   member, group.pids.get(member), lost=code is None)
 
 
 def sweep(workers: Path) -> None:
     """Abandon the groups in `workers` (left by an earlier driver of the run, which was killed),
     wait until their members have left, and remove them: a new group never starts while an old
-    member may still write into the run."""
+    member may still write into the run (MachineError if one still runs after ABANDON_WAIT_S)."""
     if not workers.is_dir():
         return
     old = [GroupDir(d) for d in sorted(workers.iterdir()) if (d / "group.json").is_file()]
-    seen: dict[Path, dict] = {}
     for g in old:
         g.abandon()
-    deadline = time.monotonic() + ABANDON_WAIT_S
-    while old and time.monotonic() < deadline:
-        old = [g for g in old if live_members(g, MEMBER_TIMEOUT_S, seen.setdefault(g.path, {}))]
-        if old:
-            time.sleep(0.2)
-    for g in old:
-        print(f"rlpipe: workers of {g.path} still beat after {ABANDON_WAIT_S:.0f} s; going on without them",
-              file=sys.stderr)
+    still = wait_gone(old, ABANDON_WAIT_S)
+    if still:
+        raise _still_running(still[0], "an earlier driver of this run")
     for d in workers.iterdir():
         shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_gone(groups: list[GroupDir], timeout: float) -> list[GroupDir]:
+    """Wait until no member of `groups` may still run (each left, or its process on this host is
+    gone, or its heartbeat stopped for MEMBER_TIMEOUT_S), at most `timeout` s; returns the groups
+    with a member that may still run."""
+    seen: dict[Path, dict] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        groups = [g for g in groups if live_members(g, MEMBER_TIMEOUT_S, seen.setdefault(g.path, {}))]
+        if not groups or time.monotonic() >= deadline:
+            return groups
+        time.sleep(0.2)
+
+
+def _still_running(group: GroupDir, whose: str) -> MachineError:
+    members = [group.member_record(m) or {} for m in live_members(group, MEMBER_TIMEOUT_S, {})]
+    where = ", ".join(f"pid {r.get('pid')} on {r.get('host')}" for r in members) or "unknown processes"
+    return MachineError(f"workers of {whose} ({group.path}: {where}) still run after being told to leave "
+                        f"{ABANDON_WAIT_S:.0f} s ago, so a new group could not start without two workers writing "
+                        "one output: end those processes (or wait for their node to come back or be removed), "
+                        "then rerun the same command")

@@ -18,12 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlpipe.cluster.failures import StageLaunchError
 from rlpipe.cluster.launch import LOOPBACK, free_port
 from rlpipe.cluster.launchers import (
     PlacedLauncher,
     Process,
     ProcessGroup,
-    StageLaunchError,
     process_env,
     stage_argv,
     worker_argv,

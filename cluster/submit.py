@@ -202,8 +202,7 @@ def render_run_slurm(preset, preset_file: Path, run_dir: Path, *, nodes: int = 1
     from rlpipe.pipelines.layout import RunLayout
     from rlpipe.pipelines.plan import Plan
 
-    # the stages the iterations call (the last one also evaluates)
-    iterations = {c.name for c in Plan(preset, RunLayout(run_dir)).iteration(0)} | {"evaluate"}
+    iterations = Plan(preset, RunLayout(run_dir)).iteration_stages()
     tasks, cpus, gpus = allocation_shape(preset.launch, nodes, resident=iterations)
     extra = [f"#SBATCH --gpus-per-node={gpus}"] if gpus else []
     extra += [f"#SBATCH --partition={partition}"] if partition else []

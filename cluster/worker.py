@@ -13,8 +13,10 @@ cache of what the files say, so killing every worker and rerunning gives the sam
 Each order's output goes to the log the order names (`runs/<run>/logs/<iter>/<stage>[.<i>].log`,
 as a per-call launch writes it); the worker's own output (start-up, between orders) to the log its
 launcher gave it (`runs/<run>/logs/workers/`). A failed order ends the worker with the stage's exit
-code (2: a user error, 1: a bug): the driver starts a fresh group for the next call. A watchdog
-thread ends the worker when the driver is gone (`DriverWatch`), so no worker outlives its run.
+code (2: a user error, 1: a bug; 143 when a SIGTERM from outside interrupted it): the driver starts
+a fresh group for the next call. A member its scheduler starts again (a pod, a task) goes on from
+the first order it has not answered. A watchdog thread ends the worker when the driver is gone or
+has abandoned the group (`DriverWatch`), so no worker outlives its run.
 
 Identity: `--member/--members` when given (worker processes, srun tasks and pods of 'shards'
 stages), else the rank and world size of a multi-rank launch (torchrun, srun), else 0 of 1.
@@ -100,10 +102,17 @@ def _import_stage(stage: str) -> None:
 
 
 def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
-    """Take the orders in turn until a stop order (0) or a failed one (its exit code)."""
+    """Take the orders in turn, from the first one this member has not answered (a restarted
+    member: a pod or task its scheduler started again), until a stop order (0) or a failed one
+    (its exit code). The ranks of one job take every order together: they go on from the first
+    order one of them has not answered."""
+    from rlpipe.stages import get_stage
     from rlpipe.stages.common.background import wait_for_background
 
-    seq = 1
+    together = list(range(members)) if get_stage(stage).scaling == "ranks" else [member]
+    seq = group.first_unanswered(together)
+    if seq > 1:
+        print(f"[rlpipe worker {stage}.{member}] restarted: going on from order {seq}", flush=True)
     while True:
         order = _next_order(group, seq)
         if order.get("stop"):  # answered too: the driver learns whether the last background save failed
@@ -111,7 +120,7 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
             group.answer(seq, member, {"exit_code": code, "pid": os.getpid(), "seconds": 0.0})
             return code
         started = time.perf_counter()
-        code = run_order(stage, order, member, members)
+        code = make_room(stage, order, member) if order.get("make_room") else run_order(stage, order, member, members)
         group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
                                    "seconds": round(time.perf_counter() - started, 3)})
         if code != 0:
@@ -154,6 +163,22 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> i
         except BaseException:  # a bug: the traceback goes to the order's log, as a launched stage's would
             traceback.print_exc()
             return 1
+
+
+def make_room(stage: str, order: dict[str, Any], member: int) -> int:
+    """A make-room order (`launch.share_gpus`, before a training stage on this member's GPUs): free
+    the GPU memory this process's engine holds, as the in-process launcher does before one (a vLLM
+    engine sleeps; the next rollout order wakes it with the new policy). Returns the exit code."""
+    from rlpipe.cluster.launchers import make_room_here
+
+    with _output_to(Path(order["logs"][str(member)])):
+        try:
+            did = make_room_here()
+        except BaseException:  # (a bug: its traceback in the log, as a failed order's)
+            traceback.print_exc()
+            return 1
+        print(f"[rlpipe worker {stage}.{member}] made room for training on its GPUs: {did}", flush=True)
+        return 0
 
 
 @contextlib.contextmanager

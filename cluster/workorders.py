@@ -10,7 +10,7 @@ answer only says how the members' runs ended.
     runs/<run>/workers/<stage>-<token>/
       group.json                 the driver's: stage, members, driver (host, pid, start), timeouts
       driver.beat                the driver's heartbeat: a counter rewritten every few seconds
-      orders/000001.json         an order: {config_file, force, logs} or {stop: true}
+      orders/000001.json         an order: {config_file, force, logs}, {make_room: true, logs} or {stop: true}
       done/000001.<member>.json  a member's answer: {exit_code, pid, seconds}
       members/<member>.json      written by a member as it starts (pid, host): one per start
       members/<member>.ready     written once it has imported its stage (torch, transformers, ...)
@@ -59,7 +59,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 def process_start(pid: int) -> str | None:
     """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22): with the
     pid it names a process uniquely, where a pid alone may be reused. "" where /proc is absent;
-    None when no such process exists."""
+    None when no such process runs (none exists, or it ended and awaits its parent's wait)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -74,7 +74,10 @@ def process_start(pid: int) -> str | None:
         return ""
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # a zombie: ended, its parent (torchrun) has not reaped it yet
+        return None
+    return fields[19]
 
 
 def still_running(process: dict[str, Any]) -> bool:
@@ -125,6 +128,14 @@ class GroupDir:
 
     def answer(self, seq: int, member: int, answer: dict[str, Any]) -> None:
         write_json(self.done_file(seq, member), answer)
+
+    def first_unanswered(self, members: list[int]) -> int:
+        """The first order that not every one of `members` has answered: where a member starts
+        (1 when it is new; a restarted one goes on there, never replaying what it answered)."""
+        seq = 1
+        while all(self.done_file(seq, m).is_file() for m in members):
+            seq += 1
+        return seq
 
     def answers(self, seq: int, members: int) -> dict[int, dict[str, Any]]:
         """The answers to order `seq` so far, by member."""

@@ -12,7 +12,8 @@ Resident (`launch.resident`, the default for the stages of the RL iterations): o
 same deployment per placed stage for the whole run (`PoolGroup`), with the group's folder as a
 parameter; the worker starts the group's processes as the `processes` launcher would and the flow
 run lasts until they leave (the driver's stop order at the end of the run). The driver follows
-its state: a flow run that fails or crashes fails the stage call in flight.
+its state: a flow run that fails or crashes fails the stage call in flight (crashed: its worker
+was lost, the machine's failure); a stopped group's flow run is waited for until it has ended.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlpipe.cluster.launchers import StageLaunchError
+from rlpipe.cluster.failures import StageLaunchError
 from rlpipe.cluster.placement import StagePlacement
 from rlpipe.cluster.workorders import GroupDir
 from rlpipe.pipelines.plan import StageCall
@@ -91,16 +92,19 @@ class PoolGroup:
         """The members' own logs, on the shared filesystem (written once the pool's worker runs them)."""
         return sorted(self.folder.glob(f"{self.stage}.*.log"))
 
-    def ended(self) -> tuple[int, int | None] | None:
+    def ended(self) -> tuple[int | None, int | None] | None:
+        """(0, None) completed; (1, None) failed (a member's exit code other than 0: its answer
+        says which); (None, None) crashed or cancelled: the pool's worker or its machine was lost."""
         if self._ended is None and time.monotonic() - self._last >= self.POLL_S:
             self._last = time.monotonic()
             state = self._read().state
             if state is not None and state.is_final():
-                self._ended = (0 if state.is_completed() else 1, None)
+                self._ended = (0 if state.is_completed() else 1 if state.is_failed() else None, None)
         return self._ended
 
     def stop(self, grace: float) -> None:
-        """Cancel the flow run if it is still running (its members had the stop order first)."""
+        """Cancel the flow run if it is still running (its members had the stop order first), and
+        wait until it has ended (at most grace + 60 s): a new group of the stage never runs beside it."""
         from prefect.client.orchestration import get_client
         from prefect.states import Cancelling
 
@@ -108,6 +112,10 @@ class PoolGroup:
         if state is not None and not state.is_final():
             with get_client(sync_client=True) as client:
                 client.set_flow_run_state(self.flow_run.id, Cancelling(), force=True)
+        deadline = time.monotonic() + grace + 60
+        while (state is not None and not state.is_final()) and time.monotonic() < deadline:
+            time.sleep(self.POLL_S)
+            state = self._read().state
 
     def _read(self) -> Any:
         from prefect.client.orchestration import get_client

@@ -155,7 +155,7 @@ class Plan:
         p, L = self.preset, self.layout
         train, heldout, sft_prompts = self.prompts()
         calls = [*self.imports(), *(c for c in (self.task(),) if c is not None)]
-        trains_rm = p.model.reward_model is None and p.reward_model is not None
+        trains_rm = p.trains_reward_model
         if trains_rm and p.data.preferences is None:  # before SFT: pairs the prompts cannot give fail in seconds
             calls.append(self.call("preferences", self.setup_dir, prompts=train, output=self.preferences()))
         if p.model.base is None:
@@ -217,7 +217,7 @@ class Plan:
             # Stale samples: weight each token by min(pi_old / pi_behaviour, C) against the
             # engine's log-probs (docs/algorithms.md#async); the preset may set its own cap or null.
             optimize["tis_cap"] = ASYNC_TIS_CAP
-        n = self.call("optimize", cfgs, **optimize).config.state_every
+        n = self.call("optimize", cfgs, **optimize).config.state_every or self.default_state_every()
         saved = n * (k // n) - 1
         calls.append(self.call("optimize", cfgs, **optimize,
                                train_state=L.stage(saved, "train_state") if saved >= 0 else None,
@@ -228,6 +228,22 @@ class Plan:
             calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
                                    output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
         return calls
+
+    def default_state_every(self) -> int:
+        """Iterations between train-state saves when the preset names none (optimize.state_every):
+        a cadence where the optimize engines stay alive between calls (in this process, or on a
+        resident group), every iteration where each call launches anew and would replay the runs
+        since the last save every time."""
+        from rlpipe.stages.optimize.config import DEFAULT_STATE_EVERY
+
+        launch = self.preset.launch
+        warm = launch.placement("optimize") is None or launch.resident
+        return DEFAULT_STATE_EVERY if warm else 1
+
+    def iteration_stages(self) -> set[str]:
+        """The stages the iterations call (evaluate too: the last iteration evaluates); placed, they
+        run as resident groups for the whole run."""
+        return {c.name for c in self.iteration(0)} | {"evaluate"}
 
     def _rollout(self, k: int, cfgs: Path, train: Path, rollouts: Path) -> StageCall:
         """Iteration k samples the next slice of the training prompts (wrapping around): the

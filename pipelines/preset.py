@@ -102,7 +102,9 @@ class Preset(_Spec):
     """Reward-model training knobs (stage `reward_model`); None: no reward model is trained."""
     preferences: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the preferences stage, which builds the reward model's training pairs when
-    data.preferences is not given (default: pairs from the training prompts' answers)."""
+    data.preferences is not given: `kind: answers` pairs each training prompt's answer with a
+    wrong one (`wrong`: near_miss or zero_padded). A preset that trains a reward model without
+    data.preferences must set `kind` here: made-up pairs are never a silent default."""
     import_data: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the import_data stage for the data.* entries that name data files: column names
     (prompt, messages, answer, id, chosen, rejected, margin) and split."""
@@ -148,6 +150,11 @@ class Preset(_Spec):
         check_sink_names(names)
         return names
 
+    @property
+    def trains_reward_model(self) -> bool:
+        """Whether the run trains its reward model (a `reward_model` section, no model.reward_model)."""
+        return self.model.reward_model is None and self.reward_model is not None
+
     def fragment(self, stage: str) -> dict[str, Any] | None:
         """The preset's knobs for `stage` (None: the preset skips that optional stage)."""
         return self.data.task if stage == "task" else getattr(self, stage)
@@ -179,6 +186,7 @@ def load_preset(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         path = builtin
     data = apply_overrides(load_yaml(path), list(overrides))
     preset = parse_config(Preset, data, str(path))
+    check_preference_source(preset, str(path))
     from rlpipe.pipelines.layout import RunLayout
     from rlpipe.pipelines.plan import Plan
 
@@ -186,6 +194,19 @@ def load_preset(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     # directory (paths only decide which inputs are given): a bad knob fails here.
     Plan(preset, RunLayout(Path("runs") / preset.name), source=str(path)).validate()
     return preset
+
+
+def check_preference_source(preset: Preset, source: str) -> None:
+    """A reward model the run trains learns from pairs the preset names: the user's
+    (data.preferences) or, said explicitly, synthetic ones (`preferences.kind`). Pairs made up
+    from the prompts without a word would train a reward model on something the user never gave."""
+    if preset.trains_reward_model and preset.data.preferences is None and "kind" not in preset.preferences:
+        raise ConfigError(
+            f"{source}: the reward_model section trains a reward model, but no preference pairs are named: "
+            "give yours with data.preferences=FILE (JSONL/CSV/Parquet with prompt, chosen, rejected; or a "
+            "`preferences` artifact), or train it on synthetic pairs made from the training prompts' answers "
+            "with preferences.kind=answers (preferences.wrong: near_miss or zero_padded)"
+        )
 
 
 def builtin_presets() -> list[str]:

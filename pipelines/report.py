@@ -27,7 +27,7 @@ from typing import Any
 
 from rlpipe.schemas import MANIFEST_NAME, ArtifactError, exists, read_manifest, read_table_artifact
 from rlpipe.schemas.atomic import write_if_changed
-from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
+from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX, sampled_lengths
 from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name, iteration_dirs
 
 #: The component a preset names `correct` (an answer-match verifier) is shown as accuracy.
@@ -42,7 +42,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "reward_std": ("rew std", "reward (std)"),
     "accuracy": ("acc", "train accuracy"),
     "eval_accuracy": ("eval acc", "held-out accuracy"),
-    "response_length": ("resp len", "response length (tokens)"),
+    "response_length": ("resp len", "response length (tokens the model sampled)"),
     "truncated_fraction": ("trunc", "truncated fraction"),
     "turns_mean": ("turns", "model turns per episode"),
     "tool_calls_mean": ("tools", "tool calls per episode"),
@@ -114,11 +114,13 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
         if ACCURACY_COMPONENT in s.columns:
             out["accuracy"] = float(s[ACCURACY_COMPONENT].mean())
     if exists(it / "rollouts"):
-        r = pl.from_arrow(read_table_artifact(it / "rollouts", columns=["response_token_ids", "finish_reason",
-                                                                       "iteration", "policy_version", "num_turns",
-                                                                       "turns"]))
+        t = read_table_artifact(it / "rollouts", columns=["response_token_ids", "response_mask", "finish_reason",
+                                                           "iteration", "policy_version", "num_turns", "turns"])
+        r = pl.from_arrow(t)
         if r.height:
-            out["response_length"] = float(r["response_token_ids"].list.len().mean())
+            lengths = sampled_lengths(t["response_mask"], r["response_token_ids"].list.len().to_list(),
+                                      what=f"{it / 'rollouts'}: column 'response_mask'")
+            out["response_length"] = sum(lengths) / r.height  # the model's tokens, not the environment's
             out["truncated_fraction"] = float((r["finish_reason"] == "length").mean())
             if r["num_turns"].null_count() < r.height:  # episodes: how the policy uses the environment
                 out["turns_mean"] = float(r["num_turns"].mean())

@@ -25,6 +25,7 @@ from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.lock import run_lock
 from rlpipe.pipelines.plan import Plan, StageCall
 from rlpipe.pipelines.preset import Preset
+from rlpipe.pipelines.saved_preset import preset_differences
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
@@ -32,6 +33,8 @@ from rlpipe.schemas.runs import iteration_dirs
 from rlpipe.stages.common.background import allow_background, wait_for_background
 
 StageCallable = Callable[[StageCall], Manifest]
+#: libyaml's dumper where PyYAML has it (the same YAML, ~5x faster than the pure-Python one)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 @dataclass
@@ -68,7 +71,8 @@ class Pipeline:
         self.plan = Plan(preset, self.layout, str(self.layout.preset_file))
         from rlpipe.cluster.launchers import launcher_for
 
-        self.launcher = launcher_for(preset.launch)
+        # (GPUs two resident groups would share are refused here, before anything starts)
+        self.launcher = launcher_for(preset.launch, self.plan.iteration_stages(), self.overlaps)
         self.call = call or self.launcher
         self.on_iteration = on_iteration
         self.log = log
@@ -77,11 +81,27 @@ class Pipeline:
     def execute(self, call: StageCall, seconds: dict[str, float]) -> Manifest:
         """Save the call's config as YAML (so the stage can be rerun alone: `rlpipe stage <name> -c
         <that file>`) and run it through `call`, adding its time to `seconds`."""
-        write_if_changed(call.config_file, yaml.safe_dump(_relative_paths(call.config, call.config_dir), sort_keys=False).encode())
+        write_if_changed(call.config_file, yaml.dump(_relative_paths(call.config, call.config_dir), Dumper=_DUMPER,
+                                                     sort_keys=False).encode())
         started = time.perf_counter()
-        manifest = self.call(call)
+        manifest = self._call_retrying(call)
         seconds[call.name] = seconds.get(call.name, 0.0) + time.perf_counter() - started
         return manifest
+
+    def _call_retrying(self, call: StageCall) -> Manifest:
+        """`call(call)`; a placed stage whose worker was lost (a `MachineError`) is called again,
+        as many times as the stage registry's `retries` (the Prefect flow's retries, which its
+        tasks apply themselves: here only when the launcher is the call, as in `--local`)."""
+        from rlpipe.schemas.errors import MachineError
+        from rlpipe.stages import get_stage
+
+        retries = get_stage(call.name).retries if self.call is self.launcher else 0
+        for attempt in range(retries):
+            try:
+                return self.call(call)
+            except MachineError as e:
+                self.log(f"retrying {call.name} ({attempt + 1}/{retries}), a worker was lost: {e}")
+        return self.call(call)
 
     def run(self) -> list[IterationRecord]:
         """Set-up stages, then the iterations; returns one record per iteration."""
@@ -159,9 +179,9 @@ class Pipeline:
         if L.preset_file.is_file():
             # The same preset with another number of iterations extends (or reruns a prefix of) the
             # run: every finished stage is a cache hit; where metrics go changes no result either.
-            # Anything else is another run.
-            before = yaml.safe_load(L.preset_file.read_text()) or {}
-            changed = sorted(k for k in {*before, *preset} - _NOT_THE_RUN if before.get(k) != preset.get(k))
+            # Anything else is another run. Compared by meaning: a run an older rlpipe started
+            # (without the keys added since) is the same run (`saved_preset`).
+            changed = preset_differences(L.preset_file, self.preset)
             if changed:
                 raise ConfigError(
                     f"{L.root} holds a run of a different preset ({L.preset_file} differs in {', '.join(changed)}); "
@@ -171,9 +191,11 @@ class Pipeline:
 
     # -- what the user sees ----------------------------------------------------------------
     def _iteration_metrics(self, k: int) -> dict[str, float]:
-        from rlpipe.pipelines.report import iteration_metrics
+        from rlpipe.pipelines.report import iteration_row
 
-        return iteration_metrics(self.layout.root, k)
+        # (the report's row of the iteration, which the report and sinks then read from its cache)
+        row = iteration_row(self.layout.root, k)
+        return {name: v for name, v in row.items() if name != "iteration" and not name.startswith("seconds_")}
 
     def _line(self, r: IterationRecord) -> str:
         m = r.metrics
@@ -198,12 +220,6 @@ class Pipeline:
     def _last_eval(self) -> Path | None:
         evals = [d / "eval" for _, d in iteration_dirs(self.layout.root) if (d / "eval").exists()]
         return evals[-1] if evals else self.layout.initial_eval()
-
-
-#: Preset keys that do not change what a run computes: a finished run reruns with new values.
-# Preset keys that never change what a run computes: a run extends or resumes under any value of
-# them (where stages run, where metrics go, how many iterations).
-_NOT_THE_RUN = {"iterations", "launch", "loggers", "description", "keep"}
 
 
 def _relative_paths(config: StageConfig, folder: Path) -> dict:

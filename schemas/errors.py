@@ -7,12 +7,28 @@ import errno
 from collections.abc import Sequence
 from pathlib import Path
 
+#: Exit codes of every rlpipe command line (`rlpipe`, `python -m rlpipe.stages.<name>`, a
+#: resident worker): 0 done; 1 a bug in rlpipe (its traceback and a note saying so); 2 a user
+#: error or a problem of the user's machine with what it was given (a full disk, a permission,
+#: a damaged file); 3 a machine failure (a process of the run was lost); 130 / 143 interrupted
+#: (SIGINT / SIGTERM). 2 and 3 print one `error:` paragraph, the traceback only with `--debug`.
+EXIT_BUG, EXIT_USER, EXIT_MACHINE = 1, 2, 3
+
 
 class UserError(Exception):
     """A mistake in what the user gave (a config, a file, data, a reward function): the message
     names the file, key or row and says what to do. Command lines print it as one `error:`
     paragraph and exit 2 without a traceback (`--debug` shows it); Prefect does not retry it (the
     same input fails the same way)."""
+
+
+class MachineError(Exception):
+    """A machine failure: a process of the run was lost (killed by a signal: the OOM killer, a
+    preemption, a node that went away) while rlpipe and the user's input were fine. The message
+    names the stage, the process and its log, and says that the same command resumes. Command
+    lines print it as one `error:` paragraph and exit 3 (EXIT_MACHINE) without a traceback
+    (`--debug` shows it); the stage's retries (`rlpipe.stages.Stage.retries`) apply to it, in
+    Prefect and in the local runner alike."""
 
 
 class DataError(UserError, ValueError):

@@ -11,7 +11,9 @@ import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlpipe.schemas.hashing import Algorithm, tagged
 
 MANIFEST_NAME = "_manifest.json"
 FORMAT = "rlpipe.artifact/1"
@@ -30,10 +32,38 @@ class FileInfo(BaseModel):
     """File name relative to the artifact directory."""
     bytes: int
     """Size in bytes."""
-    sha256: str
-    """Hex SHA-256 of the file's bytes."""
+    xxh3_128: str | None = None
+    """Hex xxh3-128 of the file's bytes: what rlpipe records (schemas/hashing.py)."""
+    sha256: str | None = None
+    """Hex SHA-256 of the file's bytes: what manifests written before xxh3-128 record."""
     rows: int | None = None
     """Row count for Parquet shards; None for other files."""
+
+    @model_validator(mode="after")
+    def _one_hash(self) -> FileInfo:
+        if (self.xxh3_128 is None) == (self.sha256 is None):
+            raise ValueError(f"file {self.name!r}: give exactly one of xxh3_128, sha256")
+        return self
+
+    @classmethod
+    def of(cls, name: str, size: int, digest: str, algorithm: str = "xxh3_128", rows: int | None = None) -> FileInfo:
+        """The entry of a file whose bytes hash to `digest` with `algorithm`."""
+        return cls(name=name, bytes=size, rows=rows, **{algorithm: digest})
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return "xxh3_128" if self.xxh3_128 is not None else "sha256"
+
+    @property
+    def digest(self) -> str:
+        """The recorded hex digest (of `algorithm`)."""
+        return self.xxh3_128 if self.xxh3_128 is not None else self.sha256  # type: ignore[return-value]
+
+    @property
+    def tagged_digest(self) -> str:
+        """'<hex>' for sha256 (as manifests always wrote it), 'xxh3_128:<hex>' otherwise: what
+        the content hash covers and what the verification memo holds."""
+        return tagged(self.algorithm, self.digest)
 
 
 class InputRef(BaseModel):
@@ -90,9 +120,10 @@ class Manifest(BaseModel):
 
 
 def content_hash(files: list[FileInfo]) -> str:
+    """sha256 over the files' names and digests (sorted by name): an artifact's identity."""
     h = hashlib.sha256()
     for f in sorted(files, key=lambda f: f.name):
-        h.update(f"{f.name}\0{f.sha256}\n".encode())
+        h.update(f"{f.name}\0{f.tagged_digest}\n".encode())
     return h.hexdigest()
 
 
@@ -109,7 +140,8 @@ def cache_key(stage: str, config: dict[str, Any], inputs: dict[str, str]) -> str
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _version(dist: str) -> str | None:
+@functools.cache
+def _version(dist: str) -> str | None:  # (read from the installed metadata: ~4 ms a call)
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:

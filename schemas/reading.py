@@ -1,6 +1,7 @@
 """Reading one artifact: its manifest (an artifact exists iff `_manifest.json` does), its shards
-as Arrow tables or a Polars LazyFrame (every shard's schema checked first), and
-`validate_artifact`, which lists everything wrong with it (files, hashes, schemas, row counts)."""
+as Arrow tables or a Polars LazyFrame (every shard verified against that manifest and its schema
+checked), and `validate_artifact`, which lists everything wrong with it (files, hashes, schemas,
+row counts)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,12 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from rlpipe.schemas.atomic import sha256_file
 from rlpipe.schemas.columns import ArtifactSchema
 from rlpipe.schemas.errors import ArtifactError, ArtifactNotFound, SchemaMismatch
+from rlpipe.schemas.hashing import digest_file
 from rlpipe.schemas.manifest import MANIFEST_NAME, FileInfo, Manifest, content_hash
-from rlpipe.schemas.shards import (
-    SHARD_GLOB,
-    check_file_schema,
-    missing_nullable,
-    read_shard,
-    resolve_schema,
-)
-from rlpipe.schemas.verify import check_manifest_hash, verify_file
+from rlpipe.schemas.shards import SHARD_GLOB, read_shard, resolve_schema, verified_schema
+from rlpipe.schemas.verify import check_manifest_hash
 
 if TYPE_CHECKING:
     import polars as pl
@@ -29,10 +24,16 @@ if TYPE_CHECKING:
 
 def read_manifest(path: Path | str) -> Manifest:
     """The manifest of an artifact; ArtifactNotFound if there is none (missing or incomplete),
-    IntegrityError if its content hash is not that of its file list."""
+    IntegrityError if its content hash is not that of its file list. An artifact this process is
+    still writing in the background is known by the manifest it is being written with (pending.py)."""
+    from rlpipe.schemas.pending import pending_manifest
+
     path = Path(path)
     mpath = path / MANIFEST_NAME
     if not mpath.is_file():
+        decided = pending_manifest(path)
+        if decided is not None:
+            return decided
         raise _not_found(path)
     try:
         manifest = Manifest.model_validate_json(mpath.read_bytes())
@@ -124,9 +125,10 @@ def validate_artifact(path: Path | str, schema: ArtifactSchema | str | None = No
         if not fpath.is_file():
             problems.append(f"{fpath}: listed in the manifest but missing")
             continue
-        actual[info.name] = FileInfo(name=info.name, bytes=fpath.stat().st_size, sha256=sha256_file(fpath))
-        if actual[info.name].sha256 != info.sha256:
-            problems.append(f"{fpath}: content differs from the manifest's sha256 (modified after writing)")
+        actual[info.name] = FileInfo.of(info.name, fpath.stat().st_size, digest_file(fpath, info.algorithm),
+                                        info.algorithm)
+        if actual[info.name].digest != info.digest:
+            problems.append(f"{fpath}: content differs from the manifest's {info.algorithm} (modified after writing)")
     if manifest.content_hash != content_hash(manifest.files):
         problems.append(f"{path / MANIFEST_NAME}: content_hash does not match its file list")
     if manifest.kind == "table":
@@ -151,26 +153,50 @@ def validate_artifact(path: Path | str, schema: ArtifactSchema | str | None = No
 
 
 def scan_artifact(path: Path | str, schema: ArtifactSchema | str | None = None) -> pl.LazyFrame:
-    """One complete artifact as a Polars LazyFrame (schemas checked per shard)."""
+    """One complete artifact as a Polars LazyFrame, verified twice: every shard's bytes and
+    schema here (a bad shard fails this call), and again as the frame is collected, by
+    `read_shard` against the manifest read here. So a collect returns the rows of that version of
+    the artifact or fails with IntegrityError (it was rewritten since: scan it again), never the
+    rows of another. Shards are read one at a time (only the columns a query needs); a shard of an
+    earlier schema version has the nullable columns added since as null."""
     import polars as pl
+    from polars.io.plugins import register_io_source
 
     path = Path(path)
     manifest = read_manifest(path)
     expected = table_schema(manifest, path, schema)
-    frames = []
-    for info in manifest.files:
-        if info.rows is not None:
-            verify_file(path / info.name, info)
-            actual = check_file_schema(path / info.name, expected)
-            frame = pl.scan_parquet(str(path / info.name), glob=False)
-            # a shard of an earlier schema version: the nullable columns added since, as null
-            added = missing_nullable(actual.names, expected)
-            if added:
-                empty = pl.from_arrow(pa.schema([c.field() for c in added]).empty_table()).schema
-                frame = frame.with_columns(pl.lit(None, dtype=t).alias(n) for n, t in empty.items())
-                frame = frame.select([c for c in expected.column_names if c in actual.names or c in empty]
-                                     + [n for n in actual.names if n not in expected.column_names])
-            frames.append(frame)
-    if not frames:
-        return pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)
-    return pl.concat(frames, how="vertical") if len(frames) > 1 else frames[0]
+    shards = [info for info in manifest.files if info.rows is not None]
+    names = _frame_columns(path, expected, shards)
+    frame_schema = pl.from_arrow(pa.schema([expected.column(n).field() for n in names]).empty_table()).schema
+    if not shards:
+        return pl.LazyFrame(schema=frame_schema)
+
+    def batches(with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None,
+                _batch_size: int | None) -> Iterator[pl.DataFrame]:
+        left = n_rows
+        for info in shards:
+            if left is not None and left <= 0:
+                return
+            frame = pl.from_arrow(read_shard(path / info.name, expected, names if with_columns is None else with_columns, info))
+            if left is not None:  # the first n_rows rows of the artifact, before any filter
+                frame = frame.head(left)
+                left -= frame.height
+            # (a source must apply the filter Polars pushes down to it)
+            yield frame if predicate is None else frame.filter(predicate)
+
+    return register_io_source(batches, schema=frame_schema)
+
+
+def _frame_columns(path: Path, expected: ArtifactSchema, shards: list[FileInfo]) -> list[str]:
+    """The columns of an artifact's frame: the declared ones, then the family columns
+    (`reward__*`) its shards have, which must be the same in every shard (each shard verified
+    and its schema checked)."""
+    extras: list[str] | None = None
+    for info in shards:
+        actual = verified_schema(path / info.name, expected, info)
+        mine = expected.family_columns(actual.names)
+        if extras is not None and mine != extras:
+            raise SchemaMismatch(path / info.name, expected.name,
+                                 [f"family columns {mine}, the artifact's first shard has {extras}"])
+        extras = mine
+    return [*expected.column_names, *(extras or [])]

@@ -16,7 +16,7 @@ Multi-turn episodes (rollout `environment`, version 3): `response_token_ids` hol
 the episode after the prompt, the model's turns and the environment's replies in order;
 `response_mask` says who wrote each (1 the model, 0 the environment) and `response_logprobs` is
 null where the environment wrote. `turns` lists the spans with their text, tool calls and results.
-Every later stage trains, penalises and counts only the tokens with mask 1. Single-turn rollouts
+Every later stage trains, penalises and counts only the tokens with mask 1 (`sampled_lengths`). Single-turn rollouts
 leave the episode columns null (every token sampled).
 """
 
@@ -162,3 +162,13 @@ def response_masks(column: pa.ChunkedArray | pa.Array, lengths: Sequence[int], *
         raise ValueError(f"{what}: row {bad[0]} has {len(rows[bad[0]])} mask values, expected {lengths[bad[0]]} "
                          "(the response length)")
     return rows
+
+
+def sampled_lengths(column: pa.ChunkedArray | pa.Array, lengths: Sequence[int], *, what: str) -> list[int]:
+    """How many tokens the model sampled in each row: the ones of its `response_mask` (an
+    episode's model turns), or every one of its `lengths` response tokens (a null mask: a
+    single-turn response). The one definition of a response's length wherever one is counted
+    (score's `sampled_tokens`, the report's and evaluate's lengths, rollout's generated tokens
+    and tokens/s, optimize's `max_len`): the environment's tokens are read, never counted."""
+    rows = response_masks(column, lengths, what=what)
+    return [int(n) for n in lengths] if rows is None else [sum(m) for m in rows]

@@ -13,13 +13,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 from rlpipe.schemas.columns import ArtifactSchema
 from rlpipe.schemas.errors import ArtifactNotFound
-from rlpipe.schemas.reading import exists, read_manifest, table_schema
-from rlpipe.schemas.shards import check_file_schema, same_schema
-from rlpipe.schemas.verify import verify_file
+from rlpipe.schemas.reading import exists, read_manifest, scan_artifact, table_schema
+from rlpipe.schemas.shards import verified_schema
 
 if TYPE_CHECKING:
     import polars as pl
@@ -67,42 +64,39 @@ def run_artifacts(run_dir: Path | str, name: str) -> list[Path]:
     return [art for _, art in _iteration_artifacts(run_dir, name)]
 
 
-def _run_shards(
-    run_dir: Path | str, name: str, schema: ArtifactSchema | str | None
-) -> list[tuple[int, Path, list[str], pa.Schema | None]]:
-    """(iteration, artifact, its shard paths, the schema of its first shard) per complete
-    iteration artifact, every shard verified against its manifest and its schema checked."""
-    out = []
-    for k, art in _iteration_artifacts(run_dir, name):
+def _run_shards(run_dir: Path | str, name: str, schema: ArtifactSchema | str | None) -> list[str]:
+    """The shard paths of every complete iteration artifact `name`, each shard verified against
+    its manifest and its schema checked."""
+    found = _iteration_artifacts(run_dir, name)
+    if not found:
+        raise ArtifactNotFound(f"no complete {name!r} artifact under {run_dir}/{ITERATION_PREFIX}*/")
+    files = []
+    for _, art in found:
         manifest = read_manifest(art)
         expected = table_schema(manifest, art, schema)
-        files, first = [], None
         for info in manifest.files:
-            if info.rows is None:
-                continue
-            verify_file(art / info.name, info)
-            actual = check_file_schema(art / info.name, expected)
-            files.append(str(art / info.name))
-            first = first if first is not None else actual
-        out.append((k, art, files, first))
-    if not out:
-        raise ArtifactNotFound(f"no complete {name!r} artifact under {run_dir}/{ITERATION_PREFIX}*/")
-    return out
+            if info.rows is not None:
+                verified_schema(art / info.name, expected, info)
+                files.append(str(art / info.name))
+    return files
 
 
 def run_dataset(run_dir: Path | str, name: str, schema: ArtifactSchema | str | None = None) -> ds.Dataset:
-    """All iterations' `name` artifacts as one pyarrow Dataset (schemas checked per shard)."""
+    """All iterations' `name` artifacts as one pyarrow Dataset. Its shards are verified and their
+    schemas checked by this call, but the Dataset reads the files by name when it is scanned,
+    unverified: an artifact rewritten in between is read as it is then (`scan_run` verifies
+    what it reads)."""
     import pyarrow.dataset as ds
 
-    files = [f for _, _, shards, _ in _run_shards(run_dir, name, schema) for f in shards]
-    return ds.dataset(files, format="parquet")
+    return ds.dataset(_run_shards(run_dir, name, schema), format="parquet")
 
 
 def scan_run(
     run_dir: Path | str, name: str, schema: ArtifactSchema | str | None = None, *,
     iteration_column: str | None = None,
 ) -> pl.LazyFrame:
-    """All iterations' `name` artifacts as one Polars LazyFrame (only complete artifacts).
+    """All iterations' `name` artifacts as one Polars LazyFrame (only complete artifacts), each
+    read as `scan_artifact` reads it: verified when scanned and when collected.
 
     Args:
         iteration_column: if given, add a column of this name (Int32) holding the k of the
@@ -113,21 +107,14 @@ def scan_run(
     """
     import polars as pl
 
-    found = _run_shards(run_dir, name, schema)
-    parts = [(k, files, sch) for k, _, files, sch in found if files]
-    if not parts:  # only empty artifacts: an empty frame of the declared schema
-        art = found[0][1]
-        expected = table_schema(read_manifest(art), art, schema)
-        lf = pl.LazyFrame(schema=pl.from_arrow(expected.arrow().empty_table()).schema)
-        return lf.with_columns(pl.lit(None, pl.Int32).alias(iteration_column)) if iteration_column else lf
-
-    def scan(k: int, files: list[str]) -> pl.LazyFrame:
-        lf = pl.scan_parquet(files, glob=False)
-        if iteration_column:
-            lf = lf.with_columns(pl.lit(k, pl.Int32).alias(iteration_column))
-        return lf
-
-    first = parts[0][2]
-    if not iteration_column and all(same_schema(sch, first) for _, _, sch in parts):
-        return pl.scan_parquet([f for _, files, _ in parts for f in files], glob=False)
-    return pl.concat([scan(k, files) for k, files, _ in parts], how="diagonal_relaxed")
+    found = _iteration_artifacts(run_dir, name)
+    if not found:
+        raise ArtifactNotFound(f"no complete {name!r} artifact under {run_dir}/{ITERATION_PREFIX}*/")
+    frames = [scan_artifact(art, schema) for _, art in found]
+    if iteration_column:
+        frames = [lf.with_columns(pl.lit(k, pl.Int32).alias(iteration_column))
+                  for (k, _), lf in zip(found, frames, strict=True)]
+    first = frames[0].collect_schema()
+    if all(lf.collect_schema() == first for lf in frames):
+        return pl.concat(frames, how="vertical")
+    return pl.concat(frames, how="diagonal_relaxed")

@@ -185,18 +185,25 @@ def staged_directory(path: Path | str, *, write: bool = True, shared: bool = Fal
     try:
         yield staging
     except BaseException as e:
-        # Libraries word a full disk their own way (torch.save: "[enforce fail at
-        # inline_container.cc] unexpected pos"; safetensors: no file named), so look at the disk;
-        # an interrupt stays one whatever the disk.
-        full = isinstance(e, Exception) and no_space_left(path.parent)
-        if write:
-            shutil.rmtree(staging, ignore_errors=True)
-            _OPEN.discard(staging)
-        if full or isinstance(e, OSError) or isinstance(e, Exception) and "No space left" in str(e):
-            why = f"no space left on the device holding {path.parent}" if full else "saving the checkpoint failed"
-            raise ArtifactError(f"{path}: {why} ({type(e).__name__}: {e}); the previous checkpoint, if any, is "
-                                "untouched: free space (`rlpipe prune RUN`, a smaller `keep:`) or choose another "
-                                "output, then rerun") from e
-        raise
+        raise_staging_failure(e, staging, path, write=write)
     if write:
         swap_into_place(staging, path)
+
+
+def raise_staging_failure(e: BaseException, staging: Path, path: Path, *, write: bool = True) -> None:
+    """Writing the checkpoint `path` in `staging` failed with `e`: remove the staging directory
+    (when this process owns it) and raise, a full disk or an OS error as an ArtifactError that says
+    the previous checkpoint is untouched."""
+    # Libraries word a full disk their own way (torch.save: "[enforce fail at
+    # inline_container.cc] unexpected pos"; safetensors: no file named), so look at the disk;
+    # an interrupt stays one whatever the disk.
+    full = isinstance(e, Exception) and no_space_left(path.parent)
+    if write:
+        shutil.rmtree(staging, ignore_errors=True)
+        _OPEN.discard(staging)
+    if full or isinstance(e, OSError) or isinstance(e, Exception) and "No space left" in str(e):
+        why = f"no space left on the device holding {path.parent}" if full else "saving the checkpoint failed"
+        raise ArtifactError(f"{path}: {why} ({type(e).__name__}: {e}); the previous checkpoint, if any, is "
+                            "untouched: free space (`rlpipe prune RUN`, a smaller `keep:`) or choose another "
+                            "output, then rerun") from e
+    raise e

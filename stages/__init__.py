@@ -36,7 +36,8 @@ class Stage:
     scaling: Scaling = "single"
     """How the stage runs on more than one process."""
     retries: int = 0
-    """Prefect retries: only stages whose failures can be transient (engines, workers)."""
+    """Retries of a failed call: by Prefect (any failure but a user error) and by the local runner
+    (a placed stage whose worker was lost): only stages whose failures can be transient (engines, workers)."""
 
     @property
     def module(self) -> str:

@@ -80,25 +80,41 @@ MINI = {
     "advantage": {"estimator": "grpo"},
     "optimize": {"lr": 1.0e-3, "micro_batch_size": 16},
     "evaluate": {"max_new_tokens": 3},
-    # every artifact stays (tests rerun stages of any iteration); tests/pipelines/test_keep.py prunes
-    "keep": {"train_states": None, "checkpoints_every": 1},
+    # no `keep:` section: tests run under the default keep, so the pruning runs wherever runs do
 }
+
+#: The `keep:` section that deletes nothing, for a test that reads an earlier iteration's
+#: checkpoint or train state, or reruns one of its stages alone: `{**MINI, "keep": KEEP_EVERYTHING}`,
+#: or the `keep_everything` marker for the `mini_preset_file` fixture.
+KEEP_EVERYTHING = {"train_states": None, "checkpoints_every": 1}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "keep_everything: the mini_preset_file fixture's run deletes nothing "
+                                       "(conftest.KEEP_EVERYTHING)")
 
 
 @pytest.fixture
-def mini_preset_file(tmp_path):
+def mini_preset_file(tmp_path, request):
+    """The miniature preset as a file: the default keep, or none pruned for a test marked
+    `keep_everything`."""
     import yaml
 
     path = tmp_path / "mini.yaml"
-    path.write_text(yaml.safe_dump(MINI))
+    everything = request.node.get_closest_marker("keep_everything") is not None
+    path.write_text(yaml.safe_dump({**MINI, "keep": KEEP_EVERYTHING} if everything else MINI))
     return path
 
 
 @pytest.fixture(scope="session")
 def mini_preset_session_file(tmp_path_factory):
-    """The miniature preset as a file shared by the session (tests/reliability reuses one run)."""
+    """The miniature preset as a file shared by the session, keeping everything and saving the
+    train state every iteration: its one run (tests/reliability) is the input of stages of
+    iteration 1 rerun alone, which read iteration 0's policy and train state, and its kill points
+    land in every save."""
     import yaml
 
     path = tmp_path_factory.mktemp("preset") / "mini.yaml"
-    path.write_text(yaml.safe_dump(MINI))
+    path.write_text(yaml.safe_dump({**MINI, "keep": KEEP_EVERYTHING,
+                                    "optimize": {**MINI["optimize"], "state_every": 1}}))
     return path

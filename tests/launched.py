@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import yaml
-from conftest import MINI
+from conftest import KEEP_EVERYTHING, MINI
 
 #: MINI with rollouts in 2 shards, a reference model (so the reference stage runs), micro-batches of 8 (so 2 ranks each
 #: get one of the 16 rows' minibatch), and a format reward that varies within groups (MINI's
@@ -21,6 +21,7 @@ LAUNCHED = {
     "optimize": {**MINI["optimize"], "micro_batch_size": 8},
     "score": {"components": [*MINI["score"]["components"],
                              {"name": "alnum", "type": "regex_format", "pattern": "[0-9A-Za-z]"}]},
+    "keep": KEEP_EVERYTHING,  # every iteration's policy is compared
 }
 
 #: Rollout and reference on 2 worker processes each, optimize on 2 torchrun ranks.

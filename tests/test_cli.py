@@ -97,7 +97,7 @@ def test_validate_ok_and_invalid(run_dir):
     r = invoke("validate", art)
     assert r.exit_code == 1
     assert f"INVALID {art}" in r.output
-    assert f"{shard}: content differs from the manifest's sha256" in r.output
+    assert f"{shard}: content differs from the manifest's xxh3_128" in r.output
     assert f"{shard}: does not match schema 'rollouts'" in r.output and "missing column 'seed' (int64)" in r.output
     r = invoke("validate", run_dir / "iter_0003" / "rollouts")
     assert r.exit_code == 1 and "has no _manifest.json" in r.output
@@ -120,7 +120,7 @@ def test_table_stats_values(run_dir):
 def test_inspect_table_artifact(run_dir):
     r = invoke("inspect", run_dir / "iter_0001" / "scores", "--rows", "2")
     assert r.exit_code == 0, r.output
-    assert "scores v1" in r.output and "4 in 1 shard(s)" in r.output and "stage" in r.output
+    assert "scores v2" in r.output and "4 in 1 shard(s)" in r.output and "stage" in r.output
     assert "0.75" in r.output  # reward mean
     assert "format" in r.output and "0.375" in r.output  # component mean
     assert "finish reasons: length 25.0%, stop 75.0%" in r.output

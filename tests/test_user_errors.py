@@ -133,13 +133,27 @@ def test_text_that_is_not_utf8(data, tiny_policy_dir):
     assert_user_error(out, "latin1.csv: column 'prompt'", "at line 3")
 
 
+def test_reward_model_without_named_pairs(data, tiny_policy_dir):
+    """A preset that trains a reward model but names no pairs (no data.preferences, no
+    preferences.kind) is refused before any stage, saying how to give pairs: it is not trained on
+    pairs made up from the prompts without a word."""
+    rm = [{"name": "rm", "type": "reward_model", "checkpoint": "reward_model"}]
+    code, out = cli("run", preset(data, tiny_policy_dir, sft={"max_steps": 1}, reward_model={"epochs": 1},
+                                  score={"components": rm}), "--local", "--run-dir", data / "run")
+    assert code == 2
+    assert_user_error(out, f"{data}/mine.yaml", "reward_model section trains a reward model",
+                      "data.preferences=FILE", "preferences.kind=answers")
+    assert not (data / "run").exists()
+
+
 def test_reward_model_without_preferences(data, tiny_policy_dir):
     """Prompts whose answers are not integers cannot give the built-in near-miss pairs: the run
     says to supply preference pairs (or a reward model), and says it before SFT."""
     (data / "words.jsonl").write_text('{"prompt": "say hi", "answer": "hi"}\n{"prompt": "say yo", "answer": "yo"}\n')
     rm = [{"name": "rm", "type": "reward_model", "checkpoint": "reward_model"}]
     code, out = cli("run", preset(data, tiny_policy_dir, data={"prompts": str(data / "words.jsonl")},
-                                  sft={"max_steps": 1}, reward_model={"epochs": 1}, score={"components": rm}),
+                                  sft={"max_steps": 1}, reward_model={"epochs": 1}, score={"components": rm},
+                                  preferences={"kind": "answers"}),
                     "--local", "--run-dir", data / "run")
     assert code == 2
     assert_user_error(out, "has answer 'hi', not an integer", "row 0", "data.preferences", "--kind preferences",

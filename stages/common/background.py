@@ -5,6 +5,10 @@ Only in a process that will wait for it: one running a pipeline (the runner, a r
 which calls `allow_background()`. Everywhere else (a stage's command line, a direct `run(config)`)
 a stage returns with all its outputs written, as it always did.
 
+Saves run one after another in the order they were handed over (each thread first waits for the
+one before it), and the caller never waits: optimize hands over the policy's files and then the
+train state, and returns at once.
+
 The artifact is staged and its manifest written last, as any other, so a process killed mid-save
 leaves nothing complete-looking and the rerun recomputes it. Whoever reads it next in this
 process waits first (`wait_for_background`: the optimize stage, before anything else; the
@@ -30,15 +34,22 @@ def allow_background(allowed: bool = True) -> None:
     _ALLOWED[0] = allowed
 
 
+def background_allowed() -> bool:
+    return _ALLOWED[0]
+
+
 def in_background(save: Callable[[], None], what: str) -> None:
-    """Run `save` (writing the artifact `what`) in a thread, after any save still pending; where
-    background saves are not allowed, now."""
-    wait_for_background()
+    """Run `save` (writing the artifact `what`) in a thread, once the saves handed over before it
+    are done (without waiting for them here); where background saves are not allowed, now."""
     if not _ALLOWED[0]:
+        wait_for_background()
         save()
         return
+    before = _PENDING[-1] if _PENDING else None
 
     def target() -> None:
+        if before is not None:
+            before.join()
         try:
             save()
         except BaseException as e:  # reported by the next wait_for_background

@@ -95,21 +95,32 @@ def _strip_local_rank(argv: Sequence[str]) -> list[str]:
 
 
 def report_failure(e: Exception, debug: bool, say: Callable[[str], None]) -> int:
-    """Tell the user about a failed command; returns its exit code. A user mistake or a problem
-    of the machine (`rlpipe.schemas.errors.user_message`: one paragraph naming the file and what to
-    do, through `say`): 2, its traceback only with `debug`. Anything else is a bug in rlpipe: its
-    traceback and a note saying so: 1."""
+    """Tell the user about a failed command; returns its exit code (`rlpipe.schemas.errors`:
+    EXIT_*). A user mistake or a problem of the machine with what it was given
+    (`rlpipe.schemas.errors.user_message`: one paragraph naming the file and what to do, through
+    `say`): 2; a lost process (`MachineError`: one paragraph naming the stage, the process and its
+    log): 3; their traceback only with `debug`. Anything else is a bug in rlpipe: its traceback
+    and a note saying so: 1."""
     import traceback
 
-    from rlpipe.schemas.errors import BUG_NOTE, user_message
+    from rlpipe.schemas.errors import (
+        BUG_NOTE,
+        EXIT_BUG,
+        EXIT_MACHINE,
+        EXIT_USER,
+        MachineError,
+        user_message,
+    )
 
-    message = user_message(e)
+    message, code = user_message(e), EXIT_USER
+    if isinstance(e, MachineError):
+        message, code = str(e), EXIT_MACHINE
     if message is not None and not debug:
         say(message)
-        return 2
+        return code
     traceback.print_exception(e)
     say(message if message is not None else BUG_NOTE)
-    return 2 if message is not None else 1
+    return code if message is not None else EXIT_BUG
 
 
 def stage_entry(package: str) -> Callable[[Sequence[str] | None], int]:

@@ -170,6 +170,7 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
     Returns, on rank 0 with `keep_copy`, a plain copy of the saved model in eval mode (no
     DeepSpeed hooks), equal to what loading `out_dir` gives; else None.
     """
+    from rlpipe.stages.common.handoff import host_copy
     from rlpipe.stages.common.tiny import save_pretrained as save
 
     copy = None
@@ -179,9 +180,5 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
             save(module, tokenizer, out_dir, max_shard_size=max_shard_size)
             if not keep_copy:
                 return None
-            copy = type(module)(module.config)
-            copy.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
-            if module.can_generate():
-                copy.generation_config = module.generation_config
-            copy.eval()
+            copy = host_copy(module)
     return copy

@@ -52,12 +52,15 @@ class Slot:
 
 def checkpoint_key(path: Path | str) -> str:
     """Content identity of a checkpoint directory (a pruned one's: the content it had)."""
+    from rlpipe.schemas.pending import pending_manifest
     from rlpipe.schemas.pruning import PRUNED_NAME
 
     path = Path(path)
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
         return json.loads(manifest.read_text())["content_hash"]
+    if (decided := pending_manifest(path)) is not None:  # being written by this process
+        return decided.content_hash
     if (path / PRUNED_NAME).is_file():
         return json.loads((path / PRUNED_NAME).read_text())["manifest"]["content_hash"]
     h = hashlib.sha256()
@@ -79,12 +82,18 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
         slot: on a cache miss, load into this slot of the caller's (see the module doc) instead
             of the cache.
     """
+    from rlpipe.schemas.pending import pending_manifest
     from rlpipe.stages.common.tiny import load_checkpoint
 
     path = Path(path)
-    if not path.is_dir():
+    if cache and pending_manifest(path) is not None and (checkpoint_key(path), kind) in _CACHE:
+        # the policy optimize just handed over in memory, its files still being written (handoff.py)
+        if slot is not None:
+            _LAST_LOAD[slot] = "cache"
+        return _CACHE[(checkpoint_key(path), kind)]
+    if not path.is_dir() and pending_manifest(path) is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat)
+    verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
     if not cache:
         return load_checkpoint(path, kind)  # type: ignore[arg-type]
     key = (checkpoint_key(path), kind)

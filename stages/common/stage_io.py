@@ -54,6 +54,7 @@ class StageStart:
 def input_refs(config: StageConfig) -> dict[str, InputRef]:
     """Every input the config names, checked and identified by content. A pruned input is
     identified by the content it had (its record): enough for a cache hit, which reads nothing."""
+    from rlpipe.schemas.pending import pending_manifest
     from rlpipe.schemas.pruning import pruned
     from rlpipe.stages.common.models import checkpoint_key
 
@@ -63,6 +64,10 @@ def input_refs(config: StageConfig) -> dict[str, InputRef]:
         record = pruned(path)
         if record is not None:
             refs[name] = record.manifest.as_input(path)
+            continue
+        decided = pending_manifest(path)  # a checkpoint this process is writing in the background
+        if decided is not None:
+            refs[name] = decided.as_input(path)
             continue
         problem = input_problem(path, kind)
         if problem:

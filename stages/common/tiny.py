@@ -14,9 +14,12 @@ stage loads models and tokenizers through them.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
+
+from rlpipe.schemas.errors import UserError
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 _log = logging.getLogger(__name__)
@@ -145,14 +148,74 @@ def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
-    if kind == "causal":
-        if (stored := read_kind(path)) in ("critic", "reward"):
-            raise ScalarHeadCheckpointError(f"{path} is a {stored} checkpoint (a scalar head), not a causal LM")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    else:
-        model = load_scalar_head_model(path, kind)
+    refuse_code(path)
+    try:
+        if kind == "causal":
+            if (stored := read_kind(path)) in ("critic", "reward"):
+                raise ScalarHeadCheckpointError(f"{path} is a {stored} checkpoint (a scalar head), not a causal LM")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            model = load_scalar_head_model(path, kind)
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) refused a pickle: nothing of it ran
+        raise pickled_code(path) from None
     model.eval()
     return model, load_tokenizer(path)
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint refused for what it holds: weights pickled with code that would run as they
+    load, or a model or tokenizer transformers could only build by running the checkpoint's own
+    code (`auto_map`). Nothing of it runs (rlpipe never passes trust_remote_code, and torch loads
+    .bin weights with weights_only); the message names the file."""
+
+
+def refuse_code(path: Path) -> None:
+    """Refuse a checkpoint whose config.json (or tokenizer_config.json) names code of its own in
+    `auto_map` for an architecture (tokenizer class) transformers does not ship; one it ships
+    loads without that code, as transformers does without trust_remote_code."""
+    import json
+
+    import transformers
+
+    def read(name: str) -> dict:
+        try:
+            data = json.loads((path / name).read_text())
+        except (OSError, ValueError):  # (missing or unreadable: the loaders say so)
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    config, tokenizer = read("config.json"), read("tokenizer_config.json")
+    if config.get("auto_map") and config.get("model_type") not in transformers.CONFIG_MAPPING:
+        raise _runs_code(path / "config.json", f"model_type {config.get('model_type')!r}", config["auto_map"])
+    if tokenizer.get("auto_map") and not hasattr(transformers, str(tokenizer.get("tokenizer_class"))):
+        raise _runs_code(path / "tokenizer_config.json", f"tokenizer_class {tokenizer.get('tokenizer_class')!r}",
+                         tokenizer["auto_map"])
+
+
+def _runs_code(file: Path, what: str, auto_map: dict) -> UnsafeCheckpoint:
+    code = ", ".join(str(v) for v in auto_map.values()) if isinstance(auto_map, dict) else str(auto_map)
+    return UnsafeCheckpoint(f"{file}: {what} is not one transformers ships, and its auto_map names code in the "
+                            f"checkpoint ({code}) that would have to run to build it; rlpipe never runs a checkpoint's "
+                            "own code: use a checkpoint of an architecture transformers has (or convert this one)")
+
+
+def pickled_code(path: Path) -> UnsafeCheckpoint:
+    """The refusal of a checkpoint whose pickled weights (*.bin, *.pt) would run code, naming the
+    first such file (each read again with weights_only: only on this failure's path)."""
+    import torch
+
+    for f in sorted(p for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")):
+        try:
+            torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            lines = [line for line in str(e).splitlines()[1:] if line.strip() and "documentation" not in line]
+            why = f" ({lines[0].strip()})" if lines else ""
+            return UnsafeCheckpoint(
+                f"{f}: its pickle would run code as it loads{why}; rlpipe loads weights as plain tensors only and "
+                "refused it (nothing of it ran): use this checkpoint's weights as safetensors, converted where "
+                "you trust the file")
+    return UnsafeCheckpoint(f"{path}: its pickled weights would run code as they load; rlpipe refused them "
+                            "(nothing of them ran): use the checkpoint's weights as safetensors")
 
 
 def load_tokenizer(path: Path | str):

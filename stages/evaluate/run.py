@@ -54,10 +54,10 @@ def run(config: EvaluateConfig, start: StageStart) -> Manifest:
     score(score_cfg, force=start.force)
 
     scores = read_table_artifact(score_cfg.output, SCORES,
-                                 columns=["reward", "reward__answer_match", "response_length", "finish_reason"])
+                                 columns=["reward", "reward__answer_match", "sampled_tokens", "finish_reason"])
     metrics = summarize(
         scores.column("reward__answer_match").to_numpy(), scores.column("reward").to_numpy(),
-        scores.column("response_length").to_numpy(),
+        scores.column("sampled_tokens").to_numpy(),  # the model's tokens, not an episode's environment's
         np.array([r == "length" for r in scores.column("finish_reason").to_pylist()]),
     )
     if config.environment is not None:  # episodes: how the policy used the environment

@@ -115,6 +115,10 @@ class LoRAConfig(BaseModel):
     any architecture), or module-name suffixes such as [q_proj, v_proj]."""
 
 
+#: Iterations between train-state saves where the optimize engines stay alive (`state_every`).
+DEFAULT_STATE_EVERY = 10
+
+
 class OptimizeConfig(StageConfig):
     """Optimise the policy (and the PPO critic) on saved rollouts and advantages with DeepSpeed.
 
@@ -167,7 +171,8 @@ class OptimizeConfig(StageConfig):
     agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens and sequences (denominators are global over ranks and micro-batches)."""
     max_len: int | None = Field(None, ge=1)
-    """Constant L of seq-mean-token-sum-norm; None: the longest response of the batch."""
+    """Constant L of seq-mean-token-sum-norm; None: the longest response of the batch, in tokens the
+    model sampled (an episode's environment tokens are not counted)."""
     kl_estimator: KLEstimator = "k3"
     """KL estimator for KL in the loss (and the logged KL to the reference)."""
     kl_clamp: bool = True
@@ -198,15 +203,19 @@ class OptimizeConfig(StageConfig):
     iteration = epochs x rows / minibatch_size); needed by linear and cosine."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """m: the factor linear and cosine decay to at `total_steps`."""
-    state_every: int = Field(1, ge=1)
-    """N: the pipeline writes the train state (~12 bytes per parameter) after iterations N-1,
+    state_every: int | None = Field(None, ge=1)
+    """N: the pipeline writes the train state (~12-16 bytes per parameter) after iterations N-1,
     2N-1, ... and the last one. An iteration after one that saved none reads the last saved state
-    plus the policy checkpoints since (`replay`): in one process the engine stays warm; a resumed
-    run replays those (at most N-1) iterations' optimize steps from their saved artifacts and ends
-    identical to an uninterrupted run. 1: every iteration saves it (nothing is ever replayed).
-    Placed on resident workers (a `launch:` placement) the engines stay warm there too; launched
-    anew for every call (`launch.resident: false`) every iteration replays those since the last
-    save (docs/design.md#train-state)."""
+    plus the policy checkpoints since (`replay`): where the engines stay alive between iterations
+    (in the driver's process, or on resident workers) nothing is replayed; a resumed run replays
+    those (at most N-1) iterations' optimize steps from their saved artifacts, says what that cost,
+    and ends identical to an uninterrupted run. 1: every iteration saves it (nothing is ever
+    replayed). None (the default): `DEFAULT_STATE_EVERY` (10) where the engines stay alive, 1 where
+    every call launches anew (`launch.resident: false`, which would replay every run since the last
+    save at each iteration). Why 10: saving costs ~14 bytes per parameter on the disk each time
+    (a 7B model: ~100 GB), and trainers save on a cadence (NeMo-RL and SkyRL every 10 steps, verl
+    and OpenRLHF only when asked); a crash then costs at most 9 replayed optimize runs, which
+    resume recomputes from artifacts instead of losing them (docs/design.md#train-state)."""
     background_state_save: bool = True
     """Write the train state in a background thread after the policy checkpoint (which the next
     rollout reads), so it leaves the critical path: the next stages run while it is written, and

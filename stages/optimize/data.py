@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rlpipe.schemas import ADVANTAGES, REFERENCE, ROLLOUTS, read_table_artifact
-from rlpipe.schemas.rollouts import response_masks
+from rlpipe.schemas.rollouts import response_masks, sampled_lengths
 
 KEY = ROLLOUTS.key  # the join key is the schemas' (every per-rollout artifact declares the same one)
 
@@ -37,6 +37,8 @@ class Batch:
     reward: np.ndarray
     group_id: np.ndarray
     truncated: np.ndarray
+    sampled_counts: np.ndarray
+    """Per row, the tokens the model sampled (`rlpipe.schemas.rollouts.sampled_lengths`), (N,) int64."""
     sampled: list[np.ndarray] | None = None
     """Episodes: per token 1.0 where the model sampled it, 0.0 where the environment wrote it (the
     rollouts' response_mask); None when every token was sampled. Only sampled tokens are trained."""
@@ -55,10 +57,7 @@ class Batch:
 
     def sampled_lengths(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Tokens per response the model sampled: those the loss counts."""
-        if self.sampled is None:
-            return self.lengths(rows)
-        rows = range(len(self)) if rows is None else rows
-        return np.array([int(self.sampled[i].sum()) for i in rows], dtype=np.int64)
+        return self.sampled_counts if rows is None else self.sampled_counts[np.asarray(rows, dtype=np.int64)]
 
     def sampled_rows(self, rows: Sequence[int] | np.ndarray) -> list[np.ndarray] | None:
         return None if self.sampled is None else [self.sampled[i] for i in rows]
@@ -145,6 +144,8 @@ def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, 
         reward=np.asarray(adv.column("reward"), dtype=np.float64),
         group_id=np.asarray(ro.column("group_id")),
         truncated=np.asarray(ro.column("finish_reason").to_pylist()) == "length",
+        sampled_counts=np.array(sampled_lengths(ro.column("response_mask"), lengths, what=f"{rollouts}: column "
+                                                "'response_mask'"), dtype=np.int64),
         sampled=_sampled(ro.column("response_mask"), rollouts, keys, lengths),
     )
 

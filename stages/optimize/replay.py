@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,10 @@ def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: d
         check_replayed(engines, config.replay[-1], manifests[-1])
         timing["replay_s"] = time.perf_counter() - mark
         timing["replayed_runs"] = float(len(manifests) - (held or 0))
+        if d.rank == 0:  # (a resume, or launches that keep no engine: say what the cadence cost)
+            print(f"optimize: replayed {len(manifests) - (held or 0)} optimize run(s) since the last saved train state "
+                  f"({state or 'none: from the start'}) in {timing['replay_s']:.1f} s; optimize.state_every sets "
+                  "how often it is saved", file=sys.stderr, flush=True)
     return _fit(E, engines, config, dscfg, state, d.rank, beside), tokenizer
 
 

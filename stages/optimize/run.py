@@ -36,8 +36,9 @@ from rlpipe.schemas import (
 )
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
-from rlpipe.stages.common.background import in_background, wait_for_background
+from rlpipe.stages.common.background import background_allowed, in_background, wait_for_background
 from rlpipe.stages.common.forward import pack
+from rlpipe.stages.common.handoff import hand_over
 from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -113,7 +114,9 @@ def prepare(config: OptimizeConfig, d: Any) -> Work:
     grad_accum = minibatch // (d.world_size * config.micro_batch_size)
     dscfg = ds.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
                          world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
-    return Work(batch, schedules, dscfg, config.max_len or int(batch.lengths().max()))
+    # seq-mean-token-sum-norm's L: the most tokens one response of the batch sampled (an episode's
+    # environment tokens are not trained on, so they do not count in L either).
+    return Work(batch, schedules, dscfg, config.max_len or int(batch.sampled_lengths().max()))
 
 
 def train(E: Any, config: OptimizeConfig, work: Work, engines: Engines, pad_id: int, world_size: int,
@@ -325,11 +328,20 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
             continue
         out = Path(out)
         lora = kind == "causal" and config.lora is not None
+        extra = {"metrics": summary, "kind": kind, "timing": timing}
+        if kind == "causal" and not lora and _hands_over():
+            # one process: the next rollout takes the policy from memory, its files are written
+            # in the background (handoff.py)
+            with ds.full_parameters(engine) as whole:
+                _, copy = hand_over(whole, tokenizer, out, max_shard_size=config.max_shard_size, manifest_fields=dict(
+                    stage=STAGE, config=resolved, inputs=inputs, cache_key=key, extra={**extra, "written": "background"},
+                    wall_time_s=time.time() - started))
+            remember(out, kind, copy, tokenizer)
+            continue
         with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
             copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None,
                                       keep_copy=keeps_saved_checkpoints(), max_shard_size=config.max_shard_size)
             if rank == 0:
-                extra = {"metrics": summary, "kind": kind, "timing": timing}
                 if lora:
                     extra["lora"] = _save_adapter(config, engine.module, staging, inputs)
                 commit_directory(staging, stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
@@ -344,15 +356,24 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
 
         rekey_warm(unsaved_state_id(policy), saved_state_id(read_manifest(config.train_state_output).content_hash))
     elif config.train_state_output is not None:
-        save = partial(_save_state, config, start, engines, rank, unsaved_state_id(policy))
-        if config.background_state_save:
+        in_thread = config.background_state_save and background_allowed()
+        save = partial(_save_state, config, start, engines, rank, unsaved_state_id(policy), in_thread)
+        if in_thread:
             in_background(save, str(config.train_state_output))  # while the next rollout runs
         else:
             save()
     return policy
 
 
-def _save_state(config: OptimizeConfig, start: StageStart, engines: Engines, rank: int, warm_id: str) -> None:
+def _hands_over() -> bool:
+    """Whether the new policy goes to the next stage in memory, written in the background: in a
+    process that keeps what it saves for the next stage and waits for background saves (the local
+    runner), on one rank."""
+    return keeps_saved_checkpoints() and background_allowed() and torch.distributed.get_world_size() == 1
+
+
+def _save_state(config: OptimizeConfig, start: StageStart, engines: Engines, rank: int, warm_id: str,
+                in_thread: bool) -> None:
     """Write the train state (collective: every rank; DeepSpeed's checkpoint, each rank its own
     files), staged like the checkpoints: the old state stays whole until the new one and its
     manifest are complete. Then the warm engines are known by the saved state's id."""
@@ -365,7 +386,8 @@ def _save_state(config: OptimizeConfig, start: StageStart, engines: Engines, ran
         record = save_engines(engines.roles(), staging, rank, engines.rng)
         if rank == 0:
             commit_directory(staging, stage=STAGE, config=config.resolved(), inputs=start.inputs, cache_key=start.key,
-                             extra={"kind": KIND, **record, "save_s": round(time.perf_counter() - mark, 3)},
+                             extra={"kind": KIND, **record, "save_s": round(time.perf_counter() - mark, 3),
+                                    **({"written": "background"} if in_thread else {})},
                              wall_time_s=time.time() - start.started)
     torch.distributed.barrier()
     rekey_warm(warm_id, saved_state_id(read_manifest(out).content_hash))

@@ -31,7 +31,7 @@ from rlpipe.schemas import (
 from rlpipe.schemas.config import ConfigError
 from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
-from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
+from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX, sampled_lengths
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.rollout.config import RolloutConfig
@@ -97,10 +97,11 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
                     baselines = episodes([groups[g] for g in ids], seeds, greedy) if greedy else [[]] * len(ids)
                 gen_s += time.perf_counter() - t0
                 for g, seed, group, baseline in zip(ids, seeds, samples, baselines, strict=True):
-                    n_tokens += sum(len(s["response_token_ids"]) for s in [*baseline, *group])
                     _append_group(rows, config, g, groups[g], token_ids[g], seed, group, baseline)
                 advance(len(ids))
-            files.append(writer.write_shard(pa.table(rows), index=k))
+            shard = pa.table(rows)
+            n_tokens += sum(_sampled(shard))  # the model's tokens: what generate_s was spent on
+            files.append(writer.write_shard(shard, index=k))
 
     # Which policy sampled (its checkpoint and content hash are the `checkpoint` input): after how many
     # optimize runs, and how many iterations behind the one these rollouts train (async staleness).
@@ -237,28 +238,36 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
     t = pa.concat_tables(tables)
     greedy_rows = int(pc.sum(pc.equal(t["sample_index"], GREEDY_SAMPLE_INDEX)).as_py() or 0)
     t = t.filter(pc.not_equal(t["sample_index"], GREEDY_SAMPLE_INDEX))  # the statistics are the samples'
-    lengths = pc.list_value_length(t["response_token_ids"])
+    lengths = _sampled(t)
     n = t.num_rows
     return {
         "groups": len(pc.unique(t["group_id"])),
         "samples": n,
-        "response_tokens": int(pc.sum(lengths).as_py() or 0),
-        "response_length_mean": round(float(pc.mean(lengths).as_py() or 0.0), 3),
+        "response_tokens": sum(lengths),
+        "response_length_mean": round(sum(lengths) / n, 3) if n else 0.0,
         "length_fraction": round(float(pc.sum(pc.equal(t["finish_reason"], "length")).as_py()) / n, 4),
         **({"greedy_rows": greedy_rows} if greedy_rows else {}),
         **(_episode_summary(t) if t["num_turns"].null_count < n else {}),
     }
 
 
+def _sampled(t: pa.Table) -> list[int]:
+    """Each row's count of tokens the model sampled (`sampled_lengths`: an episode's environment
+    tokens left out)."""
+    import pyarrow.compute as pc
+
+    positions = pc.list_value_length(t["response_token_ids"]).to_pylist()
+    return sampled_lengths(t["response_mask"], positions, what="rollouts: column 'response_mask'")
+
+
 def _episode_summary(t: pa.Table) -> dict[str, Any]:
-    """Turns, sampled tokens and tool calls of the episodes in `t`."""
+    """Turns and tool calls of the episodes in `t`."""
     import pyarrow.compute as pc
 
     turns = pc.list_flatten(t["turns"])
     calls = pc.list_flatten(pc.struct_field(turns, "tool_calls"))
     return {
         "turns_mean": round(float(pc.mean(t["num_turns"]).as_py()), 3),
-        "sampled_tokens": int(pc.sum(pc.list_flatten(t["response_mask"])).as_py() or 0),
         "tool_calls": len(calls),
         "tool_call_errors": int(pc.sum(pc.is_valid(pc.struct_field(calls, "error"))).as_py() or 0) if len(calls) else 0,
     }

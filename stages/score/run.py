@@ -36,7 +36,7 @@ from rlpipe.schemas import (
     read_shard,
 )
 from rlpipe.schemas.manifest import InputRef
-from rlpipe.schemas.rollouts import response_masks
+from rlpipe.schemas.rollouts import sampled_lengths
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.score.config import ScoreConfig
@@ -96,7 +96,7 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
             table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ)
             rows = _rows(config.rollouts / name, table)
             values = [run_scorer(c, s, rows) for c, s in zip(config.components, scorers, strict=True)]
-            written.append(writer.write_shard(_scores_table(table, config, values), shard_index(name)))
+            written.append(writer.write_shard(_scores_table(table, rows, config, values), shard_index(name)))
             advance()
 
     if config.worker_index is None:
@@ -106,15 +106,15 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
 
 
 def _rows(shard: Path, table: pa.Table) -> Rows:
-    lengths = pc.list_value_length(table.column("response_token_ids")).to_numpy(zero_copy_only=False)
-    masks = response_masks(table.column("response_mask"), lengths, what=f"{shard}: column 'response_mask'")
+    positions = pc.list_value_length(table.column("response_token_ids")).to_pylist()
+    sampled = sampled_lengths(table.column("response_mask"), positions, what=f"{shard}: column 'response_mask'")
     episodes = table.column("turns").null_count < table.num_rows
     return Rows(
         shard=shard,
         prompts=table.column("prompt").to_pylist(),
         responses=table.column("response").to_pylist(),
         answers=table.column("answer").to_pylist(),
-        lengths=lengths if masks is None else np.array([sum(m) for m in masks]),  # the tokens the model sampled
+        lengths=np.array(sampled, dtype=np.int64),  # the tokens the model sampled
         group_ids=table.column("group_id").to_pylist(),
         sample_indices=table.column("sample_index").to_pylist(),
         metadata=_metadata(shard, table),
@@ -140,12 +140,13 @@ def _metadata(shard: Path, table: pa.Table) -> list[dict[str, Any]]:
     return out
 
 
-def _scores_table(table: pa.Table, config: ScoreConfig, values: list[np.ndarray]) -> dict[str, Any]:
+def _scores_table(table: pa.Table, rows: Rows, config: ScoreConfig, values: list[np.ndarray]) -> dict[str, Any]:
     total = combine([c.weight for c in config.components], values)
     cols: dict[str, Any] = {k: table.column(k) for k in KEYS}
     cols["response_length"] = pc.list_value_length(table.column("response_token_ids")).cast(pa.int32())
     cols["finish_reason"] = table.column("finish_reason")
     cols["reward"] = pa.array(total.astype(np.float32))
+    cols["sampled_tokens"] = pa.array(rows.lengths.astype(np.int32))
     for c, v in zip(config.components, values, strict=True):
         cols[f"reward__{c.name}"] = pa.array(v.astype(np.float32))
     return cols

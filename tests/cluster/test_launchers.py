@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlpipe.cluster.launchers import (
-    LOOPBACK,
-    ProcessLauncher,
-    StageLaunchError,
-    StageUserError,
-    local_processes,
-    log_dir,
-)
+from rlpipe.cluster.failures import StageLaunchError, StageUserError
+from rlpipe.cluster.launchers import LOOPBACK, ProcessLauncher, local_processes, log_dir
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.srun import srun_command
 from rlpipe.pipelines.plan import StageCall
@@ -82,9 +76,14 @@ def test_process_and_srun_command_lines(tmp_path):
         srun_command(optimize, StagePlacement(nodes=2), False, logs / "o.log", allocation_nodes=1)
 
 
-def test_a_user_error_of_a_torchrun_rank_is_a_user_error(tmp_path):
+def test_a_user_error_of_a_torchrun_rank_is_a_user_error(tmp_path, monkeypatch):
     """torchrun exits 1 whatever its rank's exit code; the rank's 2 (a user error) is read from
-    torchrun's report, so the driver shows one `error:` paragraph instead of a crash."""
+    torchrun's report, so the driver shows one `error:` paragraph instead of a crash. torchrun's
+    own folder (its --log-dir, else a `torchelastic_*` folder it leaves in the temporary directory)
+    is gone after the launch."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))  # (the launched processes' temporary directory)
     call = _call(tmp_path, "optimize")
     call.config_file.parent.mkdir(parents=True)
     call.config_file.write_text("lr: -1\n")  # the stage's own config check fails: exit 2
@@ -93,6 +92,7 @@ def test_a_user_error_of_a_torchrun_rank_is_a_user_error(tmp_path):
     with pytest.raises(StageUserError, match="stage optimize failed \\(exit code 2, torchrun's 1\\)") as e:
         launcher(call)
     assert e.value.exit_code == 2 and "lr" in str(e.value)
+    assert list(tmpdir.iterdir()) == [] and [p.name for p in e.value.log.parent.iterdir()] == ["optimize.log"]
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "per_call"])

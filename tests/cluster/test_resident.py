@@ -5,10 +5,13 @@ starts once for the run and takes every iteration's call as a work order.
   2-rank torchrun job reproduce the in-process run; each group started once (one pid per member
   across the iterations); no process left when the run ends.
 - Faults, one chain on one run directory driven by `rlpipe run` as a user runs it: a worker alive
-  but silent past `launch.stall_timeout_s` is reported stuck; a score worker SIGKILLed mid-stage
-  and an optimize rank SIGKILLed fail the run within seconds with the log; the driver SIGKILLed
-  between work orders and interrupted with Ctrl-C take their workers with them; the same command
-  then finishes with the content hashes of an uninterrupted run.
+  but silent past `launch.stall_timeout_s` is reported stuck; an optimize rank SIGKILLed fails
+  the run within seconds as the machine's failure (exit code 3, one paragraph naming the rank and
+  its log; optimize is not retried); the driver SIGKILLed between work orders and
+  interrupted with Ctrl-C take their workers with them; the same command then finishes with the
+  content hashes of an uninterrupted run.
+- A score worker SIGKILLed mid-order is retried once and the run finishes as an uninterrupted
+  run; lost again in the retry, the run ends as the machine's failure.
 """
 
 from __future__ import annotations
@@ -168,18 +171,10 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     assert "stage score failed" in d.output and "wrote nothing for 5 s (launch.stall_timeout_s)" in d.output
     _no_workers_within(run_dir, 15)
 
-    # 2. a score worker SIGKILLed mid-stage: the call fails at once, naming the exit code
-    hold = tmp_path / "hold-2"
-    d = Driver(root, preset, env={"RLPIPE_TEST_HOLD": str(hold)})
-    pid = int(wait_for(lambda: hold.is_file() and hold.read_text(), 300, driver=d))
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    assert d.wait(60) != 0
-    assert time.monotonic() - killed < 15, "the failure took too long to surface"
-    assert "stage score failed (exit code -9)" in d.output, d.output
-    _no_workers_within(run_dir, 15)
-
-    # 3. an optimize rank SIGKILLed during iteration 1: torchrun ends the job, the call fails
+    # 2. an optimize rank SIGKILLed during iteration 1: torchrun ends the job; optimize is not
+    # retried (its registry entry: retries 0), so the run ends as the machine's failure: one
+    # paragraph naming the rank and its log, exit code 3 (a retried stage:
+    # test_a_lost_worker_is_a_machine_failure_retried_once)
     d = Driver(root, preset)
     log = run_dir / "logs" / "iter_0001" / "optimize.log"
 
@@ -188,14 +183,18 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
         found = re.search(r"\[rlpipe worker optimize\.1\] pid (\d+):", log.read_text()) if log.is_file() else None
         return int(found.group(1)) if found else None
 
-    os.kill(wait_for(rank_1, 300, poll=0.01, driver=d), signal.SIGKILL)
+    rank = wait_for(rank_1, 300, poll=0.01, driver=d)
+    os.kill(rank, signal.SIGKILL)
     killed = time.monotonic()
-    assert d.wait(90) != 0
+    assert d.wait(90) == 3, d.output
     assert time.monotonic() - killed < 30, "the failure took too long to surface"
-    assert "stage optimize failed" in d.output, d.output
+    assert "Traceback" not in d.output and d.output.count("error:") == 1, d.output
+    message = d.output[d.output.index("error:"):]
+    assert message.startswith(f"error: stage optimize: worker optimize.1 (pid {rank}) was lost ("), message
+    assert f"its log: {log}." in message and "rerun the same command to resume" in message
     _no_workers_within(run_dir, 15)
 
-    # 4. the driver SIGKILLed between work orders: its workers see it gone and leave
+    # 3. the driver SIGKILLed between work orders: its workers see it gone and leave
     d = Driver(root, preset)
     wait_for((run_dir / "iter_0001" / "policy" / "_manifest.json").is_file, 300, poll=0.01, driver=d)
     assert worker_pids(run_dir), "the resident workers should be running"
@@ -203,7 +202,7 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     d.wait(10)
     _no_workers_within(run_dir, 15)
 
-    # 5. Ctrl-C: the driver stops its groups and exits 130
+    # 4. Ctrl-C: the driver stops its groups and exits 130
     d = Driver(root, preset)
     wait_for(lambda: any("[rlpipe worker rollout.0]" in p.read_text() for p in run_dir.glob("logs/iter_0002/rollout.log")),
              300, poll=0.01, driver=d)
@@ -211,9 +210,80 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     assert d.wait(60) == 130, d.output
     _no_workers_within(run_dir, 15)
 
-    # 6. the same command finishes the run: what an uninterrupted run computes
+    # 5. the same command finishes the run: what an uninterrupted run computes
     d = Driver(root, preset)
     assert d.wait(600) == 0, d.output
     assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
     assert_like_reference(run_dir, reference.run_dir)
     assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
+
+
+def _held(hold: Path, driver: Driver, timeout: float = 300) -> int:
+    """The pid of the worker that holds (tests/resident_hooks.py), once one does."""
+
+    def holder() -> int | None:
+        """a score worker holds mid-order"""
+        text = hold.read_text() if hold.is_file() else ""
+        return int(text) if text else None
+
+    return wait_for(holder, timeout, driver=driver)
+
+
+def _member(run_dir: Path, pid: int) -> str:
+    """Which score member the process `pid` was, from its order logs."""
+    for log in run_dir.glob("logs/iter_*/score.*.log"):
+        found = re.search(rf"\[rlpipe worker (score\.\d)\] pid {pid}:", log.read_text())
+        if found:
+            return found.group(1)
+    raise AssertionError(f"no order log names pid {pid}")
+
+
+def test_a_lost_worker_is_a_machine_failure_retried_once(tmp_path):
+    """A score worker SIGKILLed mid-order: the call is retried once on a fresh group (the stage
+    registry's `retries`, as the Prefect flow retries it), and the run finishes with the content
+    of an uninterrupted run. Lost again in the retry, the run ends in one `error:` paragraph
+    naming the stage, the member and its log, exit code 3, no traceback; the same command then
+    resumes. torchrun's folders are not left in the temporary directory."""
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.pipelines.runner import Pipeline
+
+    preset = tmp_path / "faults.yaml"
+    preset.write_text(yaml.safe_dump(FAULTS))
+    reference = tmp_path / "reference" / "runs" / "mini"
+    Pipeline(load_preset(preset, ["iterations=3", "launch.launcher=local"]), reference, log=lambda s: None).run()
+    root, tmpdir, hold = tmp_path / "resident", tmp_path / "tmp", tmp_path / "hold"
+    tmpdir.mkdir()
+    run_dir = root / "runs" / "mini"
+    env = {"RLPIPE_TEST_HOLD": str(hold), "TMPDIR": str(tmpdir)}
+
+    # 1. lost, then lost again in the retry: the run ends as the machine's failure
+    d = Driver(root, preset, env=env)
+    first = _held(hold, d)
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: "retrying score (1/1), a worker was lost: " in d.output, 60, driver=d)
+    hold.unlink()  # (the failed group is gone: the retried group's first call holds)
+    second = _held(hold, d)
+    assert second != first
+    os.kill(second, signal.SIGKILL)
+    killed = time.monotonic()
+    assert d.wait(60) == 3, d.output
+    assert time.monotonic() - killed < 15, "the failure took too long to surface"
+    member = _member(run_dir, second)
+    assert "Traceback" not in d.output and d.output.count("error:") == 1, d.output
+    message = d.output[d.output.index("error:"):].strip()
+    assert message == (f"error: stage score: worker {member} (pid {second}) was lost (killed by SIGKILL: the OOM "
+                       f"killer, a preemption or a lost node?); its log: {run_dir}/logs/iter_0000/{member}.log. This "
+                       "is the machine's failure, not a problem with the run: what was complete is kept, rerun the "
+                       "same command to resume"), message
+    _no_workers_within(run_dir, 15)
+
+    # 2. the same command, lost once: retried, the run finishes as an uninterrupted run does
+    hold.unlink()
+    d = Driver(root, preset, env=env)
+    os.kill(_held(hold, d), signal.SIGKILL)
+    assert d.wait(600) == 0, d.output
+    assert d.output.count("retrying score (1/1), a worker was lost: stage score: worker score.") == 1, d.output
+    assert _hashes(run_dir) == _hashes(reference) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference)
+    assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
+    assert list(tmpdir.iterdir()) == []

@@ -104,7 +104,7 @@ def test_a_failed_last_background_save_fails_the_end_of_the_run(tmp_path, monkey
     import pytest
 
     from rlpipe.cluster import worker
-    from rlpipe.cluster.launchers import StageUserError
+    from rlpipe.cluster.failures import StageUserError
     from rlpipe.cluster.placement import Launch
     from rlpipe.cluster.resident import ResidentGroup, ResidentGroups
     from rlpipe.schemas.errors import ArtifactError

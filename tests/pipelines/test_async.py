@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MINI
+from conftest import KEEP_EVERYTHING, MINI
 
 pytestmark = [getattr(pytest.mark, "async"), pytest.mark.slow]  # (`async` is a keyword: -m async selects them)
 
 #: MINI, 4 iterations, S = 1, a format reward so that the groups' rewards vary (the policy moves).
-ASYNC = {**MINI, "iterations": 4, "eval_every": 2, "async": {"staleness": 1},
+#: Every policy stays: each is read as the sampler of a later rollout (tests/pipelines/test_keep.py
+#: prunes an asynchronous run).
+ASYNC = {**MINI, "iterations": 4, "eval_every": 2, "async": {"staleness": 1}, "keep": KEEP_EVERYTHING,
          "score": {"components": [*MINI["score"]["components"],
                                   {"name": "alnum", "type": "regex_format", "pattern": "[0-9A-Za-z]"}]}}
 #: Optimize on a resident worker of its own: the driver overlaps rollout k with optimize k-1.

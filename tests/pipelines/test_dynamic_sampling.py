@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MINI
+from conftest import KEEP_EVERYTHING, MINI
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
@@ -27,6 +27,7 @@ DYNAMIC = {
                              {"name": "digit", "type": "regex_format", "pattern": "^[0-9]", "weight": 0.5}]},
     "filter": {"drop": "all_equal"},
     "advantage": {"estimator": "remax"},
+    "keep": KEEP_EVERYTHING,  # every policy is read; the resume recomputes optimize 1 from policy 0
 }
 
 

@@ -1,7 +1,9 @@
 """keep: a run deletes the checkpoints and train states its `keep:` rule no longer keeps
 (pipelines/keep.py), leaving a record of each (schemas/pruning.py); it resumes after a kill and
-extends past them to the content hashes of a run that deleted nothing. `rlpipe prune` applies the
-rule to a run directory; a stage whose input was pruned fails naming it and the keep setting."""
+extends past them to the content hashes of a run that deleted nothing. So does an asynchronous run
+that saves its train state every 3 iterations and keeps no tables, whose resume replays optimize
+runs from what the rule kept for them. `rlpipe prune` applies the rule to a run directory; a stage
+whose input was pruned fails naming it and the keep setting."""
 
 from __future__ import annotations
 
@@ -15,18 +17,26 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MINI
+from conftest import KEEP_EVERYTHING, MINI
 
-from rlpipe.pipelines.keep import Keep, doomed
+from rlpipe.pipelines.keep import TABLES, Keep, doomed
 from rlpipe.schemas.pruning import PRUNED_NAME
 
-#: MINI, 6 iterations evaluated every 2 (iterations 1, 3, 5), with the default keep but for a
-#: period of 3 (iterations 2 and 5): train states 4 and 5 stay, policies 2, 5 and the best.
+#: MINI, 6 iterations evaluated every 2 (iterations 1, 3, 5), each saving its train state, with the
+#: default keep but for a period of 3 (iterations 2 and 5): train states 4 and 5 stay, policies 2,
+#: 5 and the best.
 PRUNED = {**MINI, "iterations": 6, "eval_every": 2, "keep": {"checkpoints_every": 3},
+          "optimize": {**MINI["optimize"], "state_every": 1},
           "score": {"components": [*MINI["score"]["components"],
                                    {"name": "alnum", "type": "regex_format", "pattern": "[0-9A-Za-z]"}]}}
 #: The same run keeping everything.
-EVERYTHING = {**PRUNED, "keep": {"train_states": None, "checkpoints_every": 1}}
+EVERYTHING = {**PRUNED, "keep": KEEP_EVERYTHING}
+#: PRUNED, asynchronous (rollout k samples from policy k-2) and saving the train state every 3
+#: iterations (2 and 5: optimize 3 and 4 continue from 2), with the default keep but for
+#: `tables: false`: what keeps the tables, the policies a rollout samples from and what a replay
+#: reads is the staleness and the state chain.
+REPLAYED = {**PRUNED, "async": {"staleness": 1}, "optimize": {**MINI["optimize"], "state_every": 3},
+            "keep": {"tables": False}}
 
 
 def _complete(run_dir: Path, name: str) -> list[int]:
@@ -53,16 +63,26 @@ def _all_hashes(run_dir: Path) -> dict[str, str]:
             if d.name != "configs" and ((d / "_manifest.json").is_file() or (d / PRUNED_NAME).is_file())}
 
 
-@pytest.fixture(scope="module")
-def everything(tmp_path_factory) -> Path:
-    """The run keeping everything, 8 iterations: what every pruned run must compute."""
+def _run_in_process(root: Path, preset: dict, *overrides: str) -> Path:
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.pipelines.runner import Pipeline
 
-    root = tmp_path_factory.mktemp("everything")
-    (root / "p.yaml").write_text(yaml.safe_dump(EVERYTHING))
-    Pipeline(load_preset(root / "p.yaml", ["iterations=8"]), root / "runs" / "mini", log=lambda s: None).run()
+    (root / "p.yaml").write_text(yaml.safe_dump(preset))
+    Pipeline(load_preset(root / "p.yaml", list(overrides)), root / "runs" / "mini", log=lambda s: None).run()
     return root / "runs" / "mini"
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory) -> Path:
+    """The run keeping everything, 8 iterations: what every pruned run must compute."""
+    return _run_in_process(tmp_path_factory.mktemp("everything"), EVERYTHING, "iterations=8")
+
+
+@pytest.fixture(scope="module")
+def replayed_everything(tmp_path_factory) -> Path:
+    """REPLAYED keeping everything, 7 iterations: what the pruned REPLAYED run must compute."""
+    return _run_in_process(tmp_path_factory.mktemp("replayed"), {**REPLAYED, "keep": KEEP_EVERYTHING},
+                           "iterations=7")
 
 
 def _rlpipe(root: Path, *args: str) -> subprocess.Popen:
@@ -111,6 +131,61 @@ def test_default_keep_prunes_resumes_after_a_kill_and_extends_identically(everyt
     assert _complete(run_dir, "train_state") == [6, 7]
     assert _all_hashes(run_dir) == {k: v for k, v in _all_hashes(everything).items() if k in _all_hashes(run_dir)}
     assert len(_all_hashes(run_dir)) == len(_all_hashes(everything))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_async_state_every_3_without_tables_prunes_resumes_after_a_kill_and_extends(replayed_everything, tmp_path):
+    from rlpipe.schemas import read_manifest
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text(yaml.safe_dump(REPLAYED))
+    run_dir = tmp_path / "runs" / "mini"
+    argv = ("run", str(preset), "--local", "--run-dir", str(run_dir))
+    # Killed in iteration 5 before its optimize, which continues from train state 2 and replays
+    # optimize 3 and 4: their inputs (policy 2, kept for that alone, and tables 3 and 4) must have
+    # survived iteration 4's prune, which deleted tables 0-2 and policies 0 and 1.
+    killed = _rlpipe(tmp_path, *argv)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "iter_0005" / "advantages" / "_manifest.json").is_file():
+        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0]
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    before_kill = killed.communicate()[0]
+    assert 5 not in _complete(run_dir, "policy"), "killed too late: iteration 5's optimize had finished"
+    assert _pruned(run_dir, "rollouts") == [0, 1, 2] and _pruned(run_dir, "policy") == sorted({0, 1} - {_best(run_dir)})
+    assert "pruned iter_0002/rollouts (" in before_kill and "keep.tables=false" in before_kill
+    done = _rlpipe(tmp_path, *argv)
+    out = done.communicate(timeout=600)[0]
+    assert done.returncode == 0, out
+    # (a new process: no warm engine held the state of optimize 4)
+    assert read_manifest(run_dir / "iter_0005" / "policy").extra["timing"]["replayed_runs"] == 2.0
+
+    # Train states 2 and 5; policies 5 (last), 4 (rollout 6 samples from it: staleness 1) and the
+    # best evaluated; tables of 4 and 5 (last - staleness on); metrics and evaluations all.
+    assert _complete(run_dir, "train_state") == [2, 5] and _pruned(run_dir, "train_state") == []
+    assert _complete(run_dir, "policy") == sorted({4, 5, _best(run_dir)})
+    assert _pruned(run_dir, "policy") == sorted({0, 1, 2, 3} - {_best(run_dir)})
+    for table in ("rollouts", "scores", "advantages"):
+        assert (_complete(run_dir, table), _pruned(run_dir, table)) == ([4, 5], [0, 1, 2, 3]), table
+    assert not any(_complete(run_dir, t) or _pruned(run_dir, t) for t in set(TABLES) - {"rollouts", "scores", "advantages"})
+    assert _complete(run_dir, "metrics") == list(range(6)) and _complete(run_dir, "eval") == [1, 3, 5]
+    assert "pruned iter_0003/rollouts (" in out
+    # everything it holds or held has the content of the run that deleted nothing
+    ours = _all_hashes(run_dir)
+    assert ours == {k: v for k, v in _all_hashes(replayed_everything).items() if int(k[5:9]) < 6}
+
+    # extended by one iteration: rollout 6 samples from policy 4, optimize 6 continues from state 5
+    more = _rlpipe(tmp_path, *argv, "iterations=7")
+    out = more.communicate(timeout=600)[0]
+    assert more.returncode == 0, out
+    assert _complete(run_dir, "train_state") == [5, 6] and _complete(run_dir, "policy") == sorted({5, 6, _best(run_dir)})
+    assert _all_hashes(run_dir) == _all_hashes(replayed_everything)
+
+
+def _best(run_dir: Path) -> int:
+    """The evaluated iteration of the highest held-out accuracy (the earliest of equals): keep.best."""
+    return max(_complete(run_dir, "eval"), key=lambda k: (_eval(run_dir, k), -k))
 
 
 def _eval(run_dir: Path, k: int) -> float:

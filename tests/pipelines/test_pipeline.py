@@ -31,6 +31,7 @@ def _created(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.integration
+@pytest.mark.keep_everything  # every iteration's policy is looked at
 def test_pipeline_writes_the_layout_and_a_rerun_recomputes_nothing(mini_preset_file, tmp_path):
     run_dir = tmp_path / "runs" / "mini"
     lines: list[str] = []
@@ -58,6 +59,7 @@ def test_pipeline_writes_the_layout_and_a_rerun_recomputes_nothing(mini_preset_f
 
 
 @pytest.mark.integration
+@pytest.mark.keep_everything  # rollout 1 rerun alone samples from iteration 0's policy
 def test_rerunning_one_stage_alone_reproduces_the_flow_artifact(mini_preset_file, tmp_path):
     run_dir = tmp_path / "runs" / "mini"
     Pipeline(load_preset(mini_preset_file), run_dir, log=lambda s: None).run()

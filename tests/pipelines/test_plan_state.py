@@ -17,7 +17,7 @@ def _call(calls, name):
 
 
 def test_optimize_continues_from_the_previous_iterations_train_state(tmp_path):
-    plan = Plan(load_preset("grpo"), RunLayout(tmp_path / "grpo"))
+    plan = Plan(load_preset("grpo", ["optimize.state_every=1"]), RunLayout(tmp_path / "grpo"))
     first, second = _call(plan.iteration(0), "optimize").config, _call(plan.iteration(1), "optimize").config
     assert first.train_state is None
     assert first.train_state_output == tmp_path / "grpo" / "iter_0000" / "train_state"

@@ -1,6 +1,9 @@
 """Presets: every built-in one loads, and bad knobs are reported by stage and key before any work."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from rlpipe.pipelines.preset import builtin_presets, load_preset
 from rlpipe.schemas.config import ConfigError
@@ -25,10 +28,6 @@ def _contains(got, want) -> bool:
 def test_builtin_preset_loads_and_every_stage_config_validates(name):
     """Every knob written in the preset file reaches its stage's config with that value (none is
     dropped, renamed or overridden by a default on the way)."""
-    from pathlib import Path
-
-    import yaml
-
     from rlpipe.pipelines.layout import RunLayout
     from rlpipe.pipelines.plan import Plan
     from rlpipe.pipelines.preset import PRESETS_DIR
@@ -103,3 +102,107 @@ def test_every_stage_declares_its_inputs_and_outputs_once():
         for field in cls.pipeline_fields():
             with pytest.raises(ConfigError, match="set by the pipeline"):
                 load_preset("ppo", [f"{name if name != 'task' else 'data.task'}.{field}=x"])
+
+
+# -- a run directory's saved preset, from this or an earlier release ------------------------------
+EARLIER_RELEASE = Path(__file__).parent / "fixtures" / "preset_before_async.yaml"
+
+
+def _run_cli(*args) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from rlpipe.pipelines.cli import app
+
+    result = CliRunner().invoke(app, ["run", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def _manifests(run_dir: Path) -> dict[str, int]:
+    """Every manifest of the run and when it was written (a recomputed stage rewrites its own)."""
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in run_dir.rglob("_manifest.json")}
+
+
+def _saved(run_dir: Path, text: str) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "preset.yaml").write_text(text)
+    return run_dir / "preset.yaml"
+
+
+@pytest.mark.integration
+def test_a_run_an_earlier_release_started_resumes_and_extends(tmp_path):
+    """The fixture is runs/<run>/preset.yaml as rlpipe wrote it before `async:` existed (the
+    shortened demo): today's rlpipe resumes that run (every finished stage a cache hit) and
+    extends it by 2 iterations, instead of refusing it as 'differs in async'."""
+    run_dir = tmp_path / "runs" / "demo"
+    code, out = _run_cli(EARLIER_RELEASE, "--local", "--run-dir", run_dir)
+    assert code == 0, out
+    _saved(run_dir, EARLIER_RELEASE.read_text())  # the run as the earlier release left it
+    finished = _manifests(run_dir)
+    assert "iter_0000/eval/_manifest.json" in finished and not (run_dir / "iter_0001").exists()
+
+    code, out = _run_cli(EARLIER_RELEASE, "--local", "--run-dir", run_dir)  # resume
+    assert code == 0, out
+    assert _manifests(run_dir) == finished  # nothing recomputed
+
+    code, out = _run_cli(EARLIER_RELEASE, "--local", "--run-dir", run_dir, "iterations=3")  # extend
+    assert code == 0, out
+    after = _manifests(run_dir)
+    assert {k: after[k] for k in finished} == finished
+    assert {"iter_0001/eval/_manifest.json", "iter_0002/eval/_manifest.json"} <= set(after)
+    saved = yaml.safe_load((run_dir / "preset.yaml").read_text())  # rewritten as today's rlpipe reads it
+    assert saved["iterations"] == 3 and saved["async"] == {"staleness": 0}
+
+
+@pytest.mark.parametrize(("line", "key"), [("warp_speed: 9", "warp_speed"),
+                                           ("  warp_factor: 9", "warp_factor")])
+def test_a_saved_preset_with_a_key_this_rlpipe_does_not_know_is_refused(tmp_path, line, key):
+    """A key today's rlpipe does not know (at the top, or a knob of the optimize stage) was written
+    by another version, or by hand: the run is refused before any stage, naming the key."""
+    text = EARLIER_RELEASE.read_text()
+    text = text + line + "\n" if not line.startswith(" ") else text.replace("optimize:\n", f"optimize:\n{line}\n")
+    run_dir = tmp_path / "runs" / "demo"
+    saved = _saved(run_dir, text)
+    code, out = _run_cli(EARLIER_RELEASE, "--local", "--run-dir", run_dir)
+    assert code == 2, out
+    assert "Traceback" not in out and out.count("error:") == 1 and len(out.strip().splitlines()) == 1, out
+    assert f"unknown key '{key}'" in out and str(saved) in out and "different preset" in out, out
+    if key == "warp_factor":
+        assert "(optimize)" in out, out
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == ["preset.yaml"]
+
+
+def test_saved_presets_are_compared_by_meaning(tmp_path):
+    """Keys added since with their defaults, and knobs left at a stage's default, are the same run;
+    a knob that changes what is computed is not, and is named."""
+    from rlpipe.pipelines.saved_preset import preset_differences
+
+    saved = _saved(tmp_path / "runs" / "demo", EARLIER_RELEASE.read_text())
+    today = load_preset(EARLIER_RELEASE)
+    assert "async" not in yaml.safe_load(saved.read_text())
+    assert preset_differences(saved, today) == []
+    assert preset_differences(saved, load_preset(EARLIER_RELEASE, ["iterations=30", "keep.tables=false"])) == []
+    assert preset_differences(saved, load_preset(EARLIER_RELEASE, ["optimize.epochs=2", "seed=1"])) == ["optimize", "seed"]
+    assert preset_differences(saved, load_preset(EARLIER_RELEASE, ["async.staleness=1"])) == ["async"]
+    assert preset_differences(saved, load_preset(EARLIER_RELEASE, ["data.task.n_train=41"])) == ["data.task"]
+    # a stage knob at its default, written out or left out: the same stage config
+    data = yaml.safe_load(EARLIER_RELEASE.read_text())
+    assert data["optimize"]["epochs"] == 1 and data["advantage"]["estimator"]["name"] == "grpo"
+    data["optimize"].pop("epochs")
+    data["advantage"]["estimator"] = "grpo"
+    _saved(saved.parent, yaml.safe_dump(data))
+    assert preset_differences(saved, today) == []
+
+
+def test_a_reward_model_run_saved_before_preferences_kind_was_explicit_is_the_same_run(tmp_path):
+    """grpo_rm once left `preferences.kind` at its default (answers); it now says it. A run saved
+    with the implicit kind is the same run."""
+    from rlpipe.pipelines.saved_preset import preset_differences
+
+    today = load_preset("grpo_rm")
+    data = today.model_dump(mode="json")
+    assert data["preferences"] == {"kind": "answers", "wrong": "zero_padded"}
+    data["preferences"] = {"wrong": "zero_padded"}
+    del data["async"]
+    saved = _saved(tmp_path / "runs" / "grpo_rm", yaml.safe_dump(data, sort_keys=False))
+    assert preset_differences(saved, today) == []
+    assert preset_differences(saved, load_preset("grpo_rm", ["preferences.wrong=near_miss"])) == ["preferences"]

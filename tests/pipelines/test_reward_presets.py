@@ -1,18 +1,62 @@
-"""The presets that train a reward model (`grpo_rm`, `ppo`): the reward model learns its pairs
-(held-out pairwise accuracy >= 0.9, no near-chance flag), GRPO on its score raises the reward, and
-a reward model at chance says so on stderr and in its manifest."""
+"""The presets that train a reward model (`grpo_rm`, `ppo`): they name where its pairs come from
+(the user's data.preferences, or synthetic pairs said explicitly), the reward model learns its
+pairs (held-out pairwise accuracy >= 0.9, no near-chance flag), GRPO on its score raises the
+reward, and a reward model at chance says so on stderr and in its manifest."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
-from rlpipe.pipelines.preset import load_preset
+from rlpipe.pipelines.preset import PRESETS_DIR, load_preset
 from rlpipe.pipelines.runner import Pipeline
 from rlpipe.schemas import read_manifest
+from rlpipe.schemas.config import ConfigError
 from rlpipe.stages import get_stage
 from rlpipe.stages.reward_model.core import chance_band, near_chance
+
+
+def _setup_calls(preset) -> dict[str, list]:
+    """Stage name -> the configs of its set-up calls in a run of `preset`."""
+    calls: dict[str, list] = {}
+    for call in Plan(preset, RunLayout(Path("runs") / preset.name)).setup():
+        calls.setdefault(call.name, []).append(call.config)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["grpo_rm", "ppo"])
+def test_builtin_reward_model_presets_say_their_pairs_are_synthetic(name):
+    import yaml
+
+    raw = yaml.safe_load((PRESETS_DIR / f"{name}.yaml").read_text())
+    assert raw["preferences"] == {"kind": "answers", "wrong": "zero_padded"} and "preferences" not in raw["data"]
+    prefs = _setup_calls(load_preset(name))["preferences"]
+    assert [(c.kind, c.wrong) for c in prefs] == [("answers", "zero_padded")]
+
+
+def test_a_trained_reward_model_without_named_pairs_is_refused():
+    """No data.preferences and no preferences.kind: refused at load, saying both ways to give pairs
+    (tests/test_user_errors.py runs it through the command line)."""
+    with pytest.raises(ConfigError, match=r"grpo_rm.yaml: the reward_model section trains a reward model, but no "
+                                          r"preference pairs are named: give yours with data.preferences=FILE.*"
+                                          r"preferences.kind=answers"):
+        load_preset("grpo_rm", ["preferences={wrong: zero_padded}"])
+
+
+def test_the_users_pairs_or_a_given_reward_model_need_no_preferences_kind(tmp_path):
+    """data.preferences=FILE: the pairs are imported and trained on, no synthetic ones are made;
+    model.reward_model: nothing is trained, so no pairs are needed."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    calls = _setup_calls(load_preset("grpo_rm", ["preferences={}", f"data.preferences={pairs}"]))
+    assert "preferences" not in calls
+    imported = [c for c in calls["import_data"] if c.source == pairs]
+    assert len(imported) == 1 and calls["reward_model"][0].preferences == imported[0].preferences
+    calls = _setup_calls(load_preset("grpo_rm", ["preferences={}", f"model.reward_model={tmp_path / 'rm'}"]))
+    assert "preferences" not in calls and "reward_model" not in calls
 
 
 def _learnt(manifest) -> None:

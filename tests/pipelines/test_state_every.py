@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MINI
+from conftest import KEEP_EVERYTHING, MINI
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
@@ -33,6 +33,7 @@ PRESET = {
     "score": {"components": [{"name": "correct", "type": "answer_match", "mode": "exact"},
                              {"name": "printable", "type": "regex_format", "pattern": "^[ -~]", "weight": 0.5}]},
     "optimize": {"lr": 1.0e-3, "micro_batch_size": 8, "minibatch_size": 8, "kl_beta": 0.04},
+    "keep": KEEP_EVERYTHING,  # every iteration's policy and train state is compared (test_keep.py prunes)
 }
 
 
@@ -70,8 +71,14 @@ def test_the_plan_saves_every_nth_state_and_replays_the_runs_since(tmp_path):
     # every replayed checkpoint is an input: its content hash keys the run
     assert list(_optimize(plan, 5).inputs()) == ["policy", "rollouts", "advantages", "reference", "train_state",
                                                  "replay[0]", "replay[1]"]
+    # The default: every 10th iteration (and the last) where the engines stay alive (here, in this
+    # process); every one where each call launches anew, which would replay every run since.
     default = Plan(load_preset("grpo", ["iterations=3"]), RunLayout(tmp_path))
-    assert [(c.train_state, c.replay) for c in (_optimize(default, k) for k in range(3))] == [
+    assert [(c.train_state, c.replay, c.train_state_output) for c in (_optimize(default, k) for k in range(3))] == [
+        (None, [], None), (None, [p(0)], None), (None, [p(0), p(1)], s(2))]
+    anew = Plan(load_preset("grpo", ["iterations=3", "launch.launcher=processes", "launch.resident=false",
+                                     "launch.optimize.ranks_per_node=1"]), RunLayout(tmp_path))
+    assert [(c.train_state, c.replay) for c in (_optimize(anew, k) for k in range(3))] == [
         (None, []), (s(0), []), (s(1), [])]
 
 

@@ -56,8 +56,11 @@ POINTS = [
     KillPoint("boundary rollout | score", after=("iter_0000/rollouts",), before=("iter_0000/scores",)),
     KillPoint("boundary score | advantage", after=("iter_0000/scores",), before=("iter_0000/advantages",)),
     KillPoint("boundary advantage | optimize", after=("iter_0000/advantages",), before=("iter_0000/policy",)),
-    KillPoint("policy checkpoint save (files written, no manifest)",
-              pause="rlpipe.stages.optimize.run:commit_directory@1", before=("iter_0000/policy",)),
+    # The policy goes to the next stage in memory and its files are written by a background
+    # thread (stages/common/handoff.py): the kill lands with its weights written and no manifest,
+    # while the main thread has moved on with the policy from memory.
+    KillPoint("background policy checkpoint write (files written, no manifest)",
+              pause="rlpipe.stages.common.handoff:write_manifest@1", before=("iter_0000/policy",)),
     KillPoint("boundary optimize | evaluate", after=("iter_0000/policy",), before=("iter_0000/eval",)),
     # The train state is written in a background thread after the policy: the kill lands while
     # that thread is inside DeepSpeed's save (the main thread has moved on to the evaluation).

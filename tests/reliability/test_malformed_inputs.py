@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from reliability.helpers import tree_digest
 
-from rlpipe.schemas.atomic import sha256_file
+from rlpipe.schemas.hashing import digest_file
 from rlpipe.schemas.manifest import FileInfo, content_hash
 from rlpipe.stages.common.cli import stage_main
 
@@ -68,7 +68,7 @@ def replace_consistently(shard: Path, table) -> None:
     def fix(m):
         for f in m["files"]:
             if f["name"] == shard.name:
-                f.update(bytes=shard.stat().st_size, sha256=sha256_file(shard), rows=table.num_rows)
+                f.update(bytes=shard.stat().st_size, xxh3_128=digest_file(shard), sha256=None, rows=table.num_rows)
     edit_manifest(shard.parent, fix, rehash=True)
 
 
@@ -122,7 +122,7 @@ CASES = [
          breaks=lambda r: shutil.copy(r / POLICY / "model.safetensors", r / POLICY / "model-extra.safetensors"),
          names=lambda r: [f"{r}/{POLICY}: files not listed", "model-extra.safetensors"]),
     Case("model: checkpoint manifest edited", "rollout",
-         breaks=lambda r: edit_manifest(r / POLICY, lambda m: m["files"][0].update(sha256="0" * 64)),
+         breaks=lambda r: edit_manifest(r / POLICY, lambda m: m["files"][0].update(xxh3_128="0" * 32)),
          names=lambda r: [f"{r}/{POLICY}/_manifest.json: content_hash does not match"]),
     Case("model: evaluation of a bit-flipped policy", "evaluate",
          breaks=lambda r: flip_byte(r / IT / "policy/model.safetensors", 0.9),

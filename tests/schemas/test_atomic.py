@@ -40,13 +40,14 @@ WRITER = textwrap.dedent("""
     real_write_table = pq.write_table
 
     def stalling_write_table(table, where, **kw):
-        if "part-00001" not in str(where):
+        name = str(getattr(where, "name", where))  # (a path, or the file the writer hashes through)
+        if "part-00001" not in name:
             return real_write_table(table, where, **kw)
         buf = io.BytesIO()
         real_write_table(table, buf, **kw)
-        with open(where, "wb") as f:
+        with open(name, "wb") as f:
             f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
-        signal_file.write_text(str(where))
+        signal_file.write_text(name)
         time.sleep(600)
 
     pq.write_table = stalling_write_table

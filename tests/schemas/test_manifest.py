@@ -72,7 +72,7 @@ def test_commit_directory_hashes_every_file(tmp_path):
     assert m.kind == "checkpoint" and [f.name for f in m.files] == ["config.json", "sub/weights.bin"]
     assert m.shard_names == [] and validate_artifact(ckpt) == []
     (ckpt / "sub" / "weights.bin").write_bytes(b"\1" * 10)
-    assert validate_artifact(ckpt) == [f"{ckpt / 'sub' / 'weights.bin'}: content differs from the manifest's sha256 (modified after writing)"]
+    assert validate_artifact(ckpt) == [f"{ckpt / 'sub' / 'weights.bin'}: content differs from the manifest's xxh3_128 (modified after writing)"]
 
 
 def test_workers_share_one_artifact(tmp_path):

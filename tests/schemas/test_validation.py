@@ -5,6 +5,7 @@ import json
 import shutil
 import time
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,7 +24,7 @@ from rlpipe.schemas import (
     validate_artifact,
     write_table_artifact,
 )
-from rlpipe.schemas.atomic import sha256_file
+from rlpipe.schemas.hashing import digest_file
 from rlpipe.schemas.errors import IntegrityError
 from rlpipe.schemas.examples import example_table
 from rlpipe.schemas.manifest import FileInfo, content_hash
@@ -50,9 +51,9 @@ def _replace_shard(path, table):
 
 
 def _rehash(shard):
-    """Make the manifest agree with the shard's new bytes (sha256, size, content hash)."""
+    """Make the manifest agree with the shard's new bytes (hash, size, content hash)."""
     manifest = read_manifest(shard.parent)
-    files = [f.model_copy(update={"bytes": shard.stat().st_size, "sha256": sha256_file(shard)})
+    files = [f.model_copy(update={"bytes": shard.stat().st_size, "xxh3_128": digest_file(shard)})
              if f.name == shard.name else f for f in manifest.files]
     write_manifest(shard.parent, manifest.model_copy(update={"files": files, "content_hash": content_hash(files)}))
     return shard
@@ -140,7 +141,7 @@ def test_validate_detects_modified_shard(rollouts):
     other = example_table(ROLLOUTS, 4, seed=99)  # valid rows, other content
     pq.write_table(other, shard)
     problems = validate_artifact(rollouts)
-    assert problems == [f"{shard}: content differs from the manifest's sha256 (modified after writing)"]
+    assert problems == [f"{shard}: content differs from the manifest's xxh3_128 (modified after writing)"]
 
 
 def test_validate_detects_stray_and_missing_shards(rollouts):
@@ -198,6 +199,23 @@ def test_a_shard_rewritten_after_its_manifest_stops_every_reader(rollouts):
     assert before.num_rows == 8
 
 
+def test_a_lazy_scan_verifies_what_it_reads_when_collected(rollouts):
+    """scan_artifact checks the shards when it is called and reads them, verified, when the
+    frame is collected: a query returns the artifact's rows (projection, filter and limit applied
+    as on the table), and a shard replaced in between fails the collect instead of being read."""
+    lf = scan_artifact(rollouts)
+    table = pl.from_arrow(read_table_artifact(rollouts))
+    for query in (lambda f: f.filter(pl.col("sample_index") >= 1).select("group_id", "sample_index").head(5),
+                  lambda f: f.head(6).filter(pl.col("group_id") == 1).select("response"),
+                  lambda f: f.select(pl.len(), pl.col("response_token_ids").list.len().sum())):
+        assert query(lf).collect().rows() == query(table).rows()
+    shard = rollouts / "part-00001.parquet"
+    pq.write_table(example_table(ROLLOUTS, 4, seed=99), shard)  # valid rows, other content
+    with pytest.raises(IntegrityError, match=f"{shard}: content differs from"):
+        lf.collect()
+    assert lf.head(4).collect().rows() == table.head(4).rows()  # shard 0 alone: still the verified rows
+
+
 def test_the_hash_memo_never_hides_a_change(rollouts):
     """A file verified once is not hashed again while its stat is unchanged, and only once its
     last change is older than the racy window; a same-size bit flip changes ctime and is caught."""
@@ -206,7 +224,7 @@ def test_the_hash_memo_never_hides_a_change(rollouts):
     assert known_hash(shard) is None  # written just now: racily clean, not remembered
     time.sleep(1.1)  # past the racy window (1 s)
     read_table_artifact(rollouts)
-    assert known_hash(shard) == sha256_file(shard)  # remembered: the next read skips the hash
+    assert known_hash(shard) == f"xxh3_128:{digest_file(shard)}"  # remembered: the next read skips the hash
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     with open(shard, "r+b") as f:  # same inode, same size
@@ -219,13 +237,13 @@ def test_the_hash_memo_never_hides_a_change(rollouts):
 def test_an_edited_manifest_and_a_stray_listed_row_count_are_refused(rollouts):
     mpath = rollouts / "_manifest.json"
     m = json.loads(mpath.read_text())
-    m["files"][0]["sha256"] = "0" * 64  # content_hash no longer matches the file list
+    m["files"][0]["xxh3_128"] = "0" * 32  # content_hash no longer matches the file list
     mpath.write_text(json.dumps(m))
     with pytest.raises(IntegrityError, match=f"{mpath}: content_hash does not match its file list"):
         read_table_artifact(rollouts)
     # a consistent manifest whose row count lies
     m = json.loads(mpath.read_text())
-    m["files"][0]["sha256"] = sha256_file(rollouts / "part-00000.parquet")
+    m["files"][0]["xxh3_128"] = digest_file(rollouts / "part-00000.parquet")
     m["files"][0]["rows"] = 5
     files = [FileInfo(**f) for f in m["files"]]
     m["content_hash"] = content_hash(files)

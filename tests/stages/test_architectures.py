@@ -16,6 +16,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from architectures import ARCHITECTURES, DROPOUT, ROPE, build_model
 from safetensors.torch import load_file
 
 from rlpipe.schemas import REFERENCE, ROLLOUTS, read_manifest, read_table_artifact
@@ -27,31 +28,6 @@ from rlpipe.stages.common.tiny import load_checkpoint, load_tokenizer, save_pret
 from rlpipe.stages.reward_model.modeling import check_reward_checkpoint, encode, score_texts
 
 MATRIX = [pytest.mark.architectures, pytest.mark.slow]
-H, FFN, LAYERS, HEADS = 32, 64, 2, 2
-_ROPE = dict(hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-             num_key_value_heads=1, max_position_embeddings=128)
-#: name -> (transformers Config class, its size arguments, whether the tokenizer has a pad token)
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", _ROPE, True),
-    "qwen2": ("Qwen2Config", _ROPE, True),
-    "qwen3": ("Qwen3Config", dict(_ROPE, head_dim=16), True),
-    "mistral": ("MistralConfig", dict(_ROPE, sliding_window=None), True),
-    "gemma": ("GemmaConfig", dict(_ROPE, head_dim=16), True),
-    "gemma2": ("Gemma2Config", dict(_ROPE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16), True),
-    "phi3": ("Phi3Config", _ROPE, True),
-    "gpt2": ("GPT2Config", dict(n_embd=H, n_layer=LAYERS, n_head=HEADS, n_positions=128), False),
-    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                       num_attention_heads=HEADS, max_position_embeddings=128), False),
-    "opt": ("OPTConfig", dict(hidden_size=H, ffn_dim=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                              max_position_embeddings=128, word_embed_proj_dim=H), True),
-    "bloom": ("BloomConfig", dict(hidden_size=H, n_layer=LAYERS, n_head=HEADS), False),  # ALiBi: no context length
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_ROPE, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                                         num_experts=4, num_experts_per_tok=2), True),
-    "mixtral": ("MixtralConfig", dict(_ROPE, num_local_experts=4, num_experts_per_tok=2), True),
-    "olmoe": ("OlmoeConfig", dict(_ROPE, num_experts=4, num_experts_per_tok=2), True),
-}
-#: Architectures whose configs default to dropout 0.1 (GPT-2: resid/embd/attn_pdrop; OPT: dropout).
-DROPOUT = {"gpt2", "opt"}
 N_PROMPTS, G, NEW_TOKENS = 4, 2, 4
 
 
@@ -70,19 +46,12 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def base(request, tmp_path_factory, tiny_tokenizer):
     """A random-init causal LM of the architecture, saved with the tiny tokenizer."""
-    import transformers
-
     clear_cache()
     name = request.param
-    config_class, sizes, has_pad = ARCHITECTURES[name]
     tok = copy.deepcopy(tiny_tokenizer)
-    if not has_pad:
+    if not ARCHITECTURES[name][2]:
         tok.pad_token = None
-    config = getattr(transformers, config_class)(
-        **sizes, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = build_model(name, tok)
     path = save_pretrained(model, tok, tmp_path_factory.mktemp(name) / "base")
     return {"name": name, "path": path, "root": path.parent}
 
@@ -298,7 +267,7 @@ def test_legacy_token_classification_critic_loads_with_equal_values(tiny_tokeniz
 
     torch.manual_seed(0)
     legacy = LlamaForTokenClassification(LlamaConfig(
-        vocab_size=len(tiny_tokenizer), num_labels=1, **{k: v for k, v in _ROPE.items()})).eval()
+        vocab_size=len(tiny_tokenizer), num_labels=1, **{k: v for k, v in ROPE.items()})).eval()
     with torch.no_grad():
         legacy.score.bias.fill_(0.25)  # the bias must survive the conversion too
     path = save_pretrained(legacy, tiny_tokenizer, tmp_path / "legacy")

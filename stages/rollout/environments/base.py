@@ -63,7 +63,8 @@ class EnvironmentSpec(BaseModel):
 
     name: str | None = None
     """A built-in environment: 'tools' (kwargs: tools, a list of built-in tool names
-    ('calculator', 'python') or 'pkg.module:function' paths; timeout_s per call)."""
+    ('calculator', 'python') or 'pkg.module:function' paths; timeout_s per call; sandbox, the
+    python tool's: 'strict' (default: namespaces) or 'rlimits_only' (limits only))."""
     function: str | None = None
     """Or your own: 'pkg.module:make', called with `kwargs`, returning a per-episode factory."""
     kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -3,7 +3,8 @@
 A tool is a plain Python function with type hints and a Google-style docstring: its JSON schema
 (what a chat template shows the model) comes from them (`transformers.utils.get_json_schema`).
 Built in: `calculator` (exact arithmetic on integers and decimals) and `python` (model-written
-code in the sandbox, `sandbox.py`). Any other tool is named by import path, 'pkg.module:function'.
+code in the sandbox, `sandbox.py`, in the mode the environment's `sandbox` names). Any other
+tool is named by import path, 'pkg.module:function'.
 
 The model calls tools in the format most chat templates teach (Hermes / Qwen / Llama 3.1 JSON):
 
@@ -116,14 +117,24 @@ def calculator(expression: str) -> str:
 
 def python(code: str) -> str:
     """Run a Python program and return what it prints (standard output, then any error). No
-    network access; a few seconds and a few hundred MB at most.
+    network access, and no files but those in its working directory; a few seconds and a few
+    hundred MB at most.
 
     Args:
         code: The program's source code.
     """
+    return python_in("strict")(code)
+
+
+def python_in(sandbox: str) -> Callable[[str], str]:
+    """The `python` tool running its code in the `sandbox` mode (`sandbox.py`); its only argument
+    is the code, so a model cannot pick the mode."""
     from rlpipe.stages.rollout.environments.sandbox import run_python
 
-    return run_python(code).reply()
+    def run(code: str) -> str:
+        return run_python(code, sandbox=sandbox).reply()
+
+    return run
 
 
 BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": python}
@@ -140,8 +151,9 @@ class Tool:
     schema: dict[str, Any]
 
     @classmethod
-    def named(cls, ref: str, timeout_s: float | None) -> Tool:
-        """A built-in tool's name or a function's import path; its calls bounded by `timeout_s`."""
+    def named(cls, ref: str, timeout_s: float | None, sandbox: str = "strict") -> Tool:
+        """A built-in tool's name or a function's import path; its calls bounded by `timeout_s`
+        (the python tool's by the limits of its `sandbox` mode instead)."""
         from transformers.utils import get_json_schema
 
         from rlpipe.stages.common.cli import import_function
@@ -158,7 +170,10 @@ class Tool:
                              "section describing every argument)") from None
         # Built-ins contain themselves (the python tool runs in the sandbox); user tools run in
         # this process under a timeout.
-        run = fn if ref in BUILTIN_TOOLS else contain(fn, ref=ref, timeout_s=timeout_s, isolate=False)
+        if ref == "python":
+            run = python_in(sandbox)
+        else:
+            run = fn if ref in BUILTIN_TOOLS else contain(fn, ref=ref, timeout_s=timeout_s, isolate=False)
         return cls(schema["function"]["name"], run, schema)
 
     def __call__(self, arguments: dict[str, Any]) -> str:
@@ -201,10 +216,32 @@ class ToolsEnvironment:
         return tool(call.arguments)
 
 
-def make_tools_environment(tools: tuple[str, ...] | list[str] = ("calculator",),
-                           timeout_s: float | None = 10.0) -> Callable[[], ToolsEnvironment]:
-    """The `tools` environment's factory: `tools` are built-in names or import paths."""
+def make_tools_environment(tools: tuple[str, ...] | list[str] = ("calculator",), timeout_s: float | None = 10.0,
+                           sandbox: str = "strict") -> Callable[[], ToolsEnvironment]:
+    """The `tools` environment's factory: `tools` are built-in names or import paths; `sandbox`
+    is the python tool's mode, 'strict' or 'rlimits_only' (`sandbox.py` says what each holds)."""
     if not tools:
         raise ValueError("environment.kwargs.tools: name at least one tool")
-    built = [Tool.named(ref, timeout_s) for ref in tools]
+    if "python" in tools:
+        _check_sandbox(sandbox)
+    built = [Tool.named(ref, timeout_s, sandbox) for ref in tools]
     return lambda: ToolsEnvironment(built)
+
+
+def _check_sandbox(sandbox: str) -> None:
+    """Refuse before any episode a mode that is not one, or a strict sandbox this machine cannot
+    set up: the python tool never runs model code with less containment than configured."""
+    from rlpipe.stages.rollout.environments import sandbox as box
+
+    if sandbox not in box.SANDBOX_MODES:
+        raise ValueError(f"environment.kwargs.sandbox: {sandbox!r} is not a sandbox mode; choose 'strict' "
+                         "(namespaces: no files outside its folder, no network) or 'rlimits_only'")
+    why = box.strict_sandbox_error() if sandbox == "strict" else None
+    if why:
+        raise ValueError(
+            f"environment.kwargs.sandbox: the python tool's strict sandbox cannot be set up on this machine ({why}). "
+            "It needs mount and network namespaces: run as root with CAP_SYS_ADMIN, or allow unprivileged user "
+            "namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+            "kernel.apparmor_restrict_unprivileged_userns=0; in a container, a seccomp profile allowing unshare). "
+            "Or set environment.kwargs.sandbox: rlimits_only to run model code under time and memory limits only, "
+            "able to read and write what the run's user can (docs/design.md#multi-turn)")

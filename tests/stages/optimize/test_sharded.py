@@ -1,8 +1,9 @@
 """optimize.max_shard_size: a policy above it is written as several safetensors files plus
 model.safetensors.index.json (Hugging Face's layout), holding exactly the tensors of the one-file
-checkpoint; the transformers rollout engine (loading it, and copying it into its running model)
-and the reference stage read it to the same log-probs. (vLLM: tests/stages/rollout/
-test_vllm_inplace.py samples from a sharded checkpoint, started fresh and loaded in place.)"""
+checkpoint; the transformers rollout engine (loading it, and copying it into a running model that
+held other weights) and the reference stage read it to the same log-probs. (vLLM:
+tests/stages/rollout/test_vllm_inplace.py samples from a sharded checkpoint, started fresh and
+loaded in place.)"""
 
 from __future__ import annotations
 
@@ -59,9 +60,17 @@ def test_a_policy_above_the_shard_size_is_sharded_and_reads_the_same(tmp_path, b
     loaded = sample(sharded.output, tmp_path / "r_sharded")  # built from the shards
     models.clear_cache()
     one_file = sample(whole.output, tmp_path / "r_whole")
-    in_place = sample(sharded.output, tmp_path / "r_in_place")  # copied into the running model
-    assert (loaded.extra["timing"]["model_load"], one_file.extra["timing"]["model_load"],
-            in_place.extra["timing"]["model_load"]) == ("loaded", "loaded", "in_place")
+    # In place: the running model holds other weights (a policy of the same architecture trained
+    # at another learning rate), and the sharded ones are copied into it; it must then sample as
+    # the model built from them.
+    other = make_config(tmp_path, arts, tiny_policy_dir, name="other", micro_batch_size=16, lr=1e-2)
+    run(other)
+    models.clear_cache()
+    before = sample(other.output, tmp_path / "r_other")
+    in_place = sample(sharded.output, tmp_path / "r_in_place")
+    assert [m.extra["timing"]["model_load"] for m in (loaded, one_file, before, in_place)] == [
+        "loaded", "loaded", "loaded", "in_place"]
+    assert before.content_hash != loaded.content_hash  # so a copy that did nothing would show
     assert loaded.content_hash == one_file.content_hash == in_place.content_hash  # tokens and log-probs
 
     refs = [reference(ReferenceConfig(rollouts=tmp_path / "r_whole", output=tmp_path / f"ref_{n}",

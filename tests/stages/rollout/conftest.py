@@ -103,3 +103,18 @@ def check_rollouts(path: Path, checkpoint: Path, *, group_size: int, max_new_tok
 def rollout_check():
     """`check_rollouts` (test modules cannot import conftest under --import-mode=importlib)."""
     return check_rollouts
+
+
+@pytest.fixture
+def strict_sandbox():
+    """The python tool's strict sandbox must work here: where it cannot, a test using it fails
+    as root (CI: namespaces are a requirement there) and is skipped for other users, whose
+    machines may forbid unprivileged user namespaces."""
+    import os
+
+    from rlpipe.stages.rollout.environments.sandbox import strict_sandbox_error
+
+    why = strict_sandbox_error()
+    if why and os.geteuid() != 0:
+        pytest.skip(f"the strict sandbox cannot be set up here: {why}")
+    assert why is None, f"the strict sandbox cannot be set up on this machine: {why}"

@@ -18,7 +18,6 @@ from rlpipe.stages.rollout.environments import (
     make_environment,
 )
 from rlpipe.stages.rollout.environments.episode import ChatTurns, TextTurns, run_episodes, turn_seed
-from rlpipe.stages.rollout.environments.sandbox import run_python
 from rlpipe.stages.rollout.environments.tools import calculator, parse_tool_calls
 
 pytestmark = pytest.mark.multiturn
@@ -98,27 +97,6 @@ def test_environment_specs_are_checked_before_any_episode():
         _tools("no_such_pkg:f")
     with pytest.raises(ValueError, match="type hints and a docstring"):
         _tools("os.path:join")  # no type hints, no Args: section
-
-
-def test_hostile_code_is_contained_and_reported():
-    """Sleeps, allocates, opens a socket, raises, floods its output, forks: each comes back as
-    the tool's reply within its limits, and the caller goes on."""
-    cases = {
-        "import time; time.sleep(60)": ("timeout", "the time limit"),
-        "x = bytearray(4 << 30)": ("memory", "the memory limit"),
-        "import socket; socket.create_connection(('10.255.255.1', 80), timeout=5)": ("error", "Error"),
-        "raise KeyError('boom')": ("error", "KeyError: 'boom'"),
-        "while True: print('y' * 4096)": ("error", "File too large"),
-        "import os, time\nfor _ in range(4): os.fork()\ntime.sleep(60)": ("timeout", "the time limit"),
-        "print(sum(range(10)))": ("ok", "45"),
-    }
-    started = time.perf_counter()
-    for code, (status, said) in cases.items():
-        result = run_python(code, timeout_s=2.0, memory_mb=256, max_file_mb=1)
-        assert result.status == status, (code, result)
-        assert said in result.reply(), (code, result.reply())
-        assert result.network_isolation in ("namespace", "audit_hook")
-    assert time.perf_counter() - started < 30  # two 2 s timeouts and quick failures
 
 
 def test_a_scripted_episode_gives_the_golden_tokens_and_mask(tiny_tokenizer):
@@ -246,7 +224,7 @@ def test_the_same_episodes_from_the_transformers_and_vllm_engines(tmp_path, tiny
             assert (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-4), (a, b)
 
 
-def test_hostile_tools_in_an_episode_are_reported_in_its_turns(tiny_tokenizer, monkeypatch):
+def test_hostile_tools_in_an_episode_are_reported_in_its_turns(tiny_tokenizer, monkeypatch, strict_sandbox):
     """A user tool that raises or hangs, and model code that sleeps, allocates or opens a socket:
     each call's failure is the tool's reply in the episode's columns, and the episode goes on."""
     import json
@@ -273,5 +251,62 @@ def test_hostile_tools_in_an_episode_are_reported_in_its_turns(tiny_tokenizer, m
     assert "RuntimeError: the tool broke" in results[0]
     assert "UserCodeTimeout: no result within 1 s (its timeout_s)" in results[1]
     assert "the time limit" in results[2] and "the memory limit" in results[3]
-    assert "Network is unreachable" in results[4] or "network" in results[4].lower()  # no network either way
+    assert "Network is unreachable" in results[4]
     assert time.perf_counter() - started < 30
+
+
+#: Model code connecting to 127.0.0.1:{port} through libc, where no audit hook sees it.
+CTYPES_CONNECT = """import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.socket(2, 1, 0)  # AF_INET, SOCK_STREAM
+address = struct.pack('=H', 2) + struct.pack('!H', {port}) + bytes([127, 0, 0, 1]) + bytes(8)  # sockaddr_in
+rc = libc.connect(fd, address, len(address))
+print('connect', rc, os.strerror(ctypes.get_errno()))"""
+
+
+def test_model_code_in_an_episode_reaches_no_file_outside_its_folder_and_no_network(
+        tiny_tokenizer, tmp_path, strict_sandbox):
+    """The python tool's strict sandbox from inside an episode: model code reading a file of the
+    run or /etc/passwd, writing beside the run's files or into the venv, connecting to a port this
+    test listens on (by socket, and by libc through ctypes) fails as the tool's reply; its own
+    folder works; the episode goes on."""
+    import json
+    import socket
+    import sys
+    from pathlib import Path
+
+    from rlpipe.stages.rollout.environments.episode import episode_columns
+
+    secret, planted = tmp_path / "run" / "secret.txt", tmp_path / "run" / "planted.txt"
+    secret.parent.mkdir()
+    secret.write_text("s3cr3t-value")
+    poisoned = Path(sys.prefix) / "rlpipe-sandbox-poison.py"  # the venv: code every later run imports
+    assert Path("/etc/passwd").read_text()  # there to read, outside the sandbox
+    codes = [f"print(open({str(secret)!r}).read())", "print(open('/etc/passwd').read())",
+             f"open({str(planted)!r}, 'w').write('x')", f"open({str(poisoned)!r}, 'w').write('x')",
+             "import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)", CTYPES_CONNECT,
+             "open('notes.txt', 'w').write('kept'); print(open('notes.txt').read())"]
+    make = _tools("python")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        calls = "".join(f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': c.format(port=port)}})}"
+                        "</tool_call>" for c in codes)
+        try:
+            [[episode]] = run_episodes(ScriptedModel(tiny_tokenizer, [calls, "A: done"]), [{"prompt": "Q: go"}], [1],
+                                       replace(SPEC, group_size=1), make, TextTurns(tiny_tokenizer), max_turns=3)
+        finally:
+            poisoned.unlink(missing_ok=True)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing connected
+    row = episode_columns(episode, tiny_tokenizer)
+    assert row["num_turns"] == 2 and [t["role"] for t in row["turns"]] == ["model", "environment", "model"]
+    results = [r["content"] for r in row["turns"][1]["tool_results"]]
+    assert f"FileNotFoundError: [Errno 2] No such file or directory: {str(secret)!r}" in results[0]
+    assert "s3cr3t" not in results[0] and "root:" not in results[1]
+    assert "FileNotFoundError: [Errno 2] No such file or directory: '/etc/passwd'" in results[1]
+    assert "No such file or directory" in results[2] and not planted.exists()
+    assert "OSError: [Errno 30] Read-only file system" in results[3] and not poisoned.exists()
+    assert "Network is unreachable" in results[4]
+    assert results[5] == "connect -1 Network is unreachable"
+    assert results[6] == "kept"

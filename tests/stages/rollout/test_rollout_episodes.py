@@ -58,7 +58,7 @@ def test_episodes_are_rows_with_a_mask_turns_and_nulls_where_the_environment_wro
         assert row["environment_reward"] == 0.75  # 0.25 after each of the three model turns
         assert row["response"] == tiny_tokenizer.decode(ids, skip_special_tokens=True)
     extra = manifest.extra
-    assert extra["turns_mean"] == 3.0 and extra["sampled_tokens"] == sum(sum(m) for m in df["response_mask"])
+    assert extra["turns_mean"] == 3.0 and extra["response_tokens"] == sum(sum(m) for m in df["response_mask"])
     assert extra["timing"]["environment_steps"] == 3 * len(df)
 
     rollout(_config(tiny_policy_dir, prompts_dir, tmp_path / "b"))  # same seed: same shards

@@ -56,6 +56,7 @@ def test_components_on_episodes(tmp_path, monkeypatch):
     assert s["reward__long"].to_list() == [0.0, 0.0, -0.5, 0.0]  # 6, 2, 7, 2 sampled tokens (of 9, 2, 10, 2)
     assert s["reward__calls"].to_list() == [1.0, 0.0, 1.0, -1.0]
     assert s["response_length"].to_list() == [9, 2, 10, 2]  # the token positions, as in the rollouts
+    assert s["sampled_tokens"].to_list() == [6, 2, 7, 2]  # the mask's ones: what the model sampled
 
 
 def test_an_environment_component_on_single_turn_rollouts_is_refused(tmp_path):

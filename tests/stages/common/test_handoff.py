@@ -1,0 +1,91 @@
+"""The policy handed over in memory (stages/common/handoff.py): the checkpoint written in the
+background holds the very bytes `save_pretrained` writes, its manifest is known before the write,
+the copy handed over equals loading that checkpoint, on every architecture of the matrix."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from architectures import ARCHITECTURES, build_model
+
+from rlpipe.schemas import pending, read_manifest
+from rlpipe.schemas.errors import ArtifactError
+from rlpipe.schemas.verify import verify_checkpoint
+from rlpipe.schemas.writer import commit_directory
+from rlpipe.stages.common import background, handoff
+from rlpipe.stages.common.tiny import load_checkpoint, save_pretrained
+
+FIELDS = dict(stage="optimize", config={"lr": 1.0}, cache_key="k")
+
+
+@pytest.fixture
+def in_background():
+    background.allow_background()
+    yield
+    background.wait_for_background(raise_errors=False)
+    background.allow_background(False)
+    pending.clear()
+
+
+def _files(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.name != "_manifest.json"}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_handed_over_checkpoint_is_what_save_pretrained_writes(name, tiny_tokenizer, tmp_path, in_background):
+    tok = copy.deepcopy(tiny_tokenizer)
+    model = build_model(name, tok)
+    with torch.no_grad():  # weights away from their init, the LM head's tie (where tied) kept
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    manifest, host = handoff.hand_over(model, tok, tmp_path / "handed", max_shard_size="5GB", manifest_fields=FIELDS)
+    background.wait_for_background()
+    saved = save_pretrained(model, tok, tmp_path / "saved")
+    reference = commit_directory(saved, **FIELDS)
+    # the same files, byte for byte, so the same content hash as the synchronous save
+    assert _files(tmp_path / "handed") == _files(saved)
+    assert manifest.content_hash == reference.content_hash == read_manifest(tmp_path / "handed").content_hash
+    assert verify_checkpoint(tmp_path / "handed").content_hash == manifest.content_hash
+    # the copy handed over is what loading the checkpoint gives: every tensor, and the logits
+    loaded, _ = load_checkpoint(tmp_path / "handed")
+    want, got = loaded.state_dict(), host.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), name
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        assert torch.equal(host(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False)]
+    host_params = dict(host.named_parameters(remove_duplicate=False))
+    assert len(host_params) == len(tied)  # as many names, ties shared as in the model
+    assert {id(p) for p in host.parameters()}.__len__() == len(list(model.parameters()))
+
+
+def test_the_manifest_is_known_before_the_files_and_readers_wait(tiny_tokenizer, tmp_path, in_background):
+    model = build_model("llama", tiny_tokenizer)
+    gate = threading.Event()
+    background.in_background(gate.wait, "a save before this one")  # holds the write back
+    out = tmp_path / "policy"
+    manifest, _ = handoff.hand_over(model, tiny_tokenizer, out, max_shard_size="5GB", manifest_fields=FIELDS)
+    assert not out.exists()  # nothing visible to other processes yet
+    assert read_manifest(out) == manifest  # this process knows it by its decided manifest
+    threading.Timer(0.3, gate.set).start()
+    assert verify_checkpoint(out).content_hash == manifest.content_hash  # waited for the files
+    assert pending.pending_manifest(out) is None and (out / "_manifest.json").is_file()
+
+
+def test_a_failed_background_write_leaves_nothing_and_is_raised(tiny_tokenizer, tmp_path, in_background, monkeypatch):
+    model = build_model("llama", tiny_tokenizer)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(handoff, "write_manifest", full)
+    out = tmp_path / "policy"
+    handoff.hand_over(model, tiny_tokenizer, out, max_shard_size="5GB", manifest_fields=FIELDS)
+    with pytest.raises(ArtifactError, match="policy"):
+        background.wait_for_background()
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no staging directory left
+    assert pending.pending_manifest(out) is None
