@@ -94,12 +94,14 @@ def run(config: ReferenceConfig, start: StageStart) -> Manifest:
     critic = _load(config.critic, "critic", device) if config.critic else None
     writer = ArtifactWriter(config.output, REFERENCE, stage="reference", config=config.resolved(),
                             inputs=start.inputs, cache_key=start.key, clean=config.worker_index is None)
-    names = read_manifest(config.rollouts).shard_names
+    listing = read_manifest(config.rollouts)
+    names, entries = listing.shard_names, {f.name: f for f in listing.files}  # (every shard checked against one manifest)
     mine = [n for n in names if config.worker_index is None
             or shard_index(Path(n)) % config.worker_count == config.worker_index]
     if config.worker_index is not None:
         writer.prepare_worker(config.worker_index, config.worker_count, others=set(names) - set(mine))
-    shards = [(config.rollouts / n, read_shard(config.rollouts / n, ROLLOUTS, columns=COLUMNS)) for n in mine]
+    shards = [(config.rollouts / n, read_shard(config.rollouts / n, ROLLOUTS, columns=COLUMNS, info=entries[n]))
+              for n in mine]
     rows = tokens = 0
     with progress(f"reference{config.worker_label()}", sum(t.num_rows for _, t in shards)) as advance:
         for path, table in shards:

@@ -82,7 +82,8 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
                      for c in config.components]
     writer = ArtifactWriter(config.output, SCORES, stage=STAGE, config=config.resolved(), inputs=inputs,
                             cache_key=key, extra_columns=extra_columns, clean=config.worker_index is None)
-    names = read_manifest(config.rollouts).shard_names
+    listing = read_manifest(config.rollouts)
+    names, entries = listing.shard_names, {f.name: f for f in listing.files}  # (every shard checked against one manifest)
     mine = names
     if config.worker_index is not None:
         mine = [n for n in names if shard_index(n) % config.worker_count == config.worker_index]
@@ -93,7 +94,7 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
     written = []
     with progress(f"score{config.worker_label()}: shards", len(mine)) as advance:
         for name in mine:
-            table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ)
+            table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ, info=entries[name])
             rows = _rows(config.rollouts / name, table)
             values = [run_scorer(c, s, rows) for c, s in zip(config.components, scorers, strict=True)]
             written.append(writer.write_shard(_scores_table(table, rows, config, values), shard_index(name)))
