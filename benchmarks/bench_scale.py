@@ -6,7 +6,8 @@
                                                [--threads 2] [--gpus 0] [--json FILE] [key=value ...]
 
 For each size the demo job (16 prompts x 8 samples x up to 6 new tokens, GRPO, exact-match
-reward, train state saved every iteration) starts from a random Llama of that size built locally
+reward, train state on the default cadence: every 10 iterations and the last where the engines
+stay alive, every one when launched per call) starts from a random Llama of that size built locally
 (`base_model.size`: ~1.2M, ~19M, ~83M, ~0.38B, ~0.97B parameters; no SFT), with the default `keep` (the last 2
 train states, every 10th policy, the last and the best; the demo preset itself keeps everything)
 and any `key=value` preset overrides given (`optimize.background_state_save=false`, ...). Placed:
@@ -77,18 +78,21 @@ def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int
                                   *overrides])
     pipeline = Pipeline(preset, run_dir, log=lambda line: print(line, file=sys.stderr, flush=True))
     pipeline.run()
-    from rlpipe.schemas.pruning import recorded_manifest
+    from rlpipe.schemas.pruning import pruned, recorded_manifest
 
     out = []
     for record in pipeline.records:
         folder = run_dir / f"iter_{record.iteration:04d}"
         # (pruned ones by their records: what they were, and how many bytes were written)
-        rollout, policy, state = (recorded_manifest(folder / name) for name in ("rollouts", "policy", "train_state"))
-        written = sum(f.bytes for name in ("policy", "train_state", "rollouts", "scores", "advantages", "metrics")
-                      for f in recorded_manifest(folder / name).files)
+        # (the train state only every optimize.state_every iterations and the last)
+        names = [n for n in ("policy", "train_state", "rollouts", "scores", "advantages", "metrics")
+                 if n != "train_state" or (folder / n).exists() or pruned(folder / n) is not None]
+        rollout, policy = (recorded_manifest(folder / name) for name in ("rollouts", "policy"))
+        state = recorded_manifest(folder / "train_state") if "train_state" in names else None
+        written = sum(f.bytes for name in names for f in recorded_manifest(folder / name).files)
         out.append({"seconds": record.seconds, "rollout": {"wall": rollout.wall_time_s, **rollout.extra["timing"]},
                     "optimize": {"wall": policy.wall_time_s, **policy.extra["timing"]},
-                    "state_save_s": state.extra.get("save_s", policy.extra["timing"].get("state_save_s")),
+                    "state_save_s": state.extra.get("save_s") if state is not None else None,
                     "bytes": written})
     footprint = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
     return {"iterations": out, "footprint_bytes": footprint}

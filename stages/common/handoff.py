@@ -68,7 +68,9 @@ def host_copy(module: Any, dtype: torch.dtype = torch.float32) -> Any:
 @contextlib.contextmanager
 def weights_in_memory() -> Iterator[dict[str, bytes]]:
     """Within the block, `save_pretrained` (safetensors) writes every file but its weight files,
-    whose bytes go into the yielded dict (file name -> bytes) instead."""
+    whose bytes go into the yielded dict (file name -> bytes) instead. (It swaps transformers'
+    module-level writer for the block: only the calling thread saves Hugging Face checkpoints
+    meanwhile; the background writers write bytes or DeepSpeed states, never through it.)"""
     from safetensors.torch import save
     from transformers import modeling_utils
 
@@ -83,7 +85,6 @@ def weights_in_memory() -> Iterator[dict[str, bytes]]:
         yield captured
     finally:
         modeling_utils.safe_save_file = original
-
 
 
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
