@@ -24,9 +24,9 @@ from rlpipe.schemas import (
     validate_artifact,
     write_table_artifact,
 )
-from rlpipe.schemas.hashing import digest_file
 from rlpipe.schemas.errors import IntegrityError
 from rlpipe.schemas.examples import example_table
+from rlpipe.schemas.hashing import digest_file
 from rlpipe.schemas.manifest import FileInfo, content_hash
 from rlpipe.schemas.reading import read_manifest
 from rlpipe.schemas.verify import known_hash
