@@ -191,8 +191,8 @@ LAUNCHERS = {
 }
 
 
-def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int, run_dir: Path | None,
-            show: bool = True) -> dict[str, Any]:
+def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int,
+            run_dir: Path | None) -> dict[str, Any]:
     """Run the pipeline and the plain loop side by side; the figures (see the module doc)."""
     from rlpipe.pipelines.cli import _quiet_libraries
     from rlpipe.pipelines.preset import load_preset
@@ -232,23 +232,22 @@ def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int
                "critical_bytes": statistics.median(w[1] for w in written),
                "plain_split_s": {name: statistics.median(plain[0].phases[k][name] for k in measured)
                                  for name in plain[0].phases[0]}}
-    if show:
-        print(f"\npreset {preset.name}: {total} iterations, measured {measured.start}..{measured.stop - 1} "
-              f"(warm-up {warmup}, last one has the final evaluation); torch threads {torch.get_num_threads()}, "
-              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {os.cpu_count()} CPUs")
-        print(f"{'iter':>4} {'pipeline s':>11} {'plain s':>8} {'reward pipe':>12} {'reward plain':>13}")
-        for r in records:
-            print(f"{r.iteration:>4} {pipeline_s.get(r.iteration, float('nan')):>11.3f} {plain_s[r.iteration]:>8.3f} "
-                  f"{r.metrics.get('reward_mean', float('nan')):>12.3f} {plain[0].rewards[r.iteration]:>13.3f}")
-        print(f"\npipeline ({' '.join(o for o in overrides if o.startswith('launch.launcher'))}): "
-              f"median {pipe:.3f} s/iteration")
-        print(f"plain PyTorch loop: median {loop:.3f} s/iteration")
-        print(f"ratio pipeline / plain: {pipe / loop:.2f}x")
-        print("pipeline split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
-        print("plain loop split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in figures["plain_split_s"].items()))
-        print(f"bytes written per iteration: {figures['bytes'] / 1e6:.1f} MB, on the critical path "
-              f"{figures['critical_bytes'] / 1e6:.1f} MB")
-        print(f"run directory: {run_dir}")
+    print(f"\npreset {preset.name}: {total} iterations, measured {measured.start}..{measured.stop - 1} "
+          f"(warm-up {warmup}, last one has the final evaluation); torch threads {torch.get_num_threads()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {os.cpu_count()} CPUs")
+    print(f"{'iter':>4} {'pipeline s':>11} {'plain s':>8} {'reward pipe':>12} {'reward plain':>13}")
+    for r in records:
+        print(f"{r.iteration:>4} {pipeline_s.get(r.iteration, float('nan')):>11.3f} {plain_s[r.iteration]:>8.3f} "
+              f"{r.metrics.get('reward_mean', float('nan')):>12.3f} {plain[0].rewards[r.iteration]:>13.3f}")
+    print(f"\npipeline ({' '.join(o for o in overrides if o.startswith('launch.launcher'))}): "
+          f"median {pipe:.3f} s/iteration")
+    print(f"plain PyTorch loop: median {loop:.3f} s/iteration")
+    print(f"ratio pipeline / plain: {pipe / loop:.2f}x")
+    print("pipeline split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    print("plain loop split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in figures["plain_split_s"].items()))
+    print(f"bytes written per iteration: {figures['bytes'] / 1e6:.1f} MB, on the critical path "
+          f"{figures['critical_bytes'] / 1e6:.1f} MB")
+    print(f"run directory: {run_dir}")
     return figures
 
 

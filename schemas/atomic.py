@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from rlpipe.schemas.hashing import digest_file
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -53,17 +55,8 @@ def content_sha256(path: Path | str) -> str:
     the identity of data by content, whatever it is called or wherever it lies."""
     path = Path(path)
     if not path.is_dir():
-        return sha256_file(path)
+        return digest_file(path, "sha256")
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f.relative_to(path).as_posix().encode() + b"\0" + sha256_file(f).encode())
-    return h.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+        h.update(f.relative_to(path).as_posix().encode() + b"\0" + digest_file(f, "sha256").encode())
     return h.hexdigest()

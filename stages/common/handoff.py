@@ -35,7 +35,6 @@ from rlpipe.schemas import pending as pending_artifacts
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.staging import open_staging, raise_staging_failure, swap_into_place
-from rlpipe.schemas.verify import remember_hash
 from rlpipe.schemas.writer import checkpoint_manifest, write_manifest
 from rlpipe.stages.common.background import in_background, wait_for_background
 
@@ -114,14 +113,11 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
 def _write(staging: Path, out: Path, weights: dict[str, bytes], manifest: Manifest) -> None:
     """The background half: the weight files, then the manifest (last), then the swap."""
     try:
-        hashes = {f.name: f.tagged_digest for f in manifest.files}
         for name in list(weights):
-            path = staging / name
-            with open(path, "wb") as f:
+            with open(staging / name, "wb") as f:
                 f.write(weights.pop(name))  # (each file's bytes freed once written)
                 f.flush()
                 os.fsync(f.fileno())
-            remember_hash(path, hashes[name])  # verified: these are the bytes the hash was taken of
         write_manifest(staging, manifest)
         swap_into_place(staging, out)
     except BaseException as e:
