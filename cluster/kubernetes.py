@@ -41,8 +41,7 @@ from rlpipe.cluster.launchers import PlacedLauncher, stage_argv, worker_argv
 from rlpipe.cluster.placement import KubernetesSpec, StagePlacement
 from rlpipe.cluster.submit import JobSpec, render_k8s
 from rlpipe.cluster.workorders import WORKERS_DIR, GroupDir
-from rlpipe.pipelines.plan import StageCall
-from rlpipe.stages import get_stage
+from rlpipe.stages import StageCall, get_stage
 
 DRIVER_ACCOUNT = "rlpipe-driver"
 PRESET_MOUNT = "/etc/rlpipe"
@@ -147,19 +146,20 @@ def driver_manifests(preset, k: KubernetesSpec, python: str = "python") -> list[
     ]
 
 
-def render_run(preset, out: Path) -> list[Path]:
-    """Write <out>/driver.yaml (apply it to start the run) and, for review, <out>/stages/<stage>.yaml:
-    the Jobs the driver will create for the first iteration's placed stages."""
-    from rlpipe.pipelines.layout import RunLayout
-    from rlpipe.pipelines.plan import Plan
+def mounted_run_dir(preset) -> Path:
+    """The run folder as the pods see it: <launch.kubernetes.runs_mount>/<preset name>."""
+    return Path(preset.launch.kubernetes.runs_mount) / preset.name
 
+
+def render_run(preset, out: Path, setup: list[StageCall], iteration: list[StageCall]) -> list[Path]:
+    """Write <out>/driver.yaml (apply it to start the run) and, for review, <out>/stages/<stage>.yaml:
+    the Jobs the driver will create for the placed stages among `setup` and `iteration` (the
+    plan's set-up calls and first iteration, in the folder `mounted_run_dir(preset)`)."""
     k = preset.launch.kubernetes
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "driver.yaml"]
     written[0].write_text(yaml.safe_dump_all(driver_manifests(preset, k), sort_keys=False))
-    run_dir = Path(k.runs_mount) / preset.name
-    plan = Plan(preset, RunLayout(run_dir))
-    setup, iteration = plan.setup(), plan.iteration(0)
+    run_dir = mounted_run_dir(preset)
     for call in [*setup, *iteration]:
         p = preset.launch.stages.get(call.name)
         if p is None:

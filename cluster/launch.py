@@ -1,5 +1,5 @@
-"""Command lines that start a stage on N ranks (torchrun or the deepspeed launcher), and the
-DeepSpeed JSON templates shipped with rlpipe.
+"""Command lines that start a stage on N ranks (torchrun or the deepspeed launcher). (The DeepSpeed
+JSON templates shipped in cluster/deepspeed/ are read by `stages.common.deepspeed`.)
 
 Generic on purpose: Slurm / Kubernetes templates wrap these command lines; nothing here knows a
 scheduler. Example:
@@ -10,13 +10,11 @@ scheduler. Example:
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from importlib import resources
-from typing import Any, Literal
+from typing import Literal
 
 Launcher = Literal["torchrun", "deepspeed"]
 
@@ -29,14 +27,6 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def deepspeed_template(stage: int) -> dict[str, Any]:
-    """The DeepSpeed config template for ZeRO `stage` (0-3); "auto" fields are filled by the caller."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    text = resources.files("rlpipe.cluster").joinpath(f"deepspeed/zero{stage}.json").read_text()
-    return json.loads(text)
 
 
 def stage_command(stage: str, args: Sequence[str] = (), *, nproc_per_node: int = 1, nnodes: int = 1,

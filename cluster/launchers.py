@@ -47,10 +47,9 @@ from typing import TYPE_CHECKING, Protocol
 from rlpipe.cluster.failures import StageLaunchError
 from rlpipe.cluster.launch import LOOPBACK, free_port, local_env, stage_command, torchrun_executable
 from rlpipe.cluster.placement import Launch, StagePlacement
-from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.runs import iteration_index
-from rlpipe.stages import get_stage
+from rlpipe.stages import StageCall, get_stage
 
 if TYPE_CHECKING:
     from rlpipe.cluster.resident import Handle

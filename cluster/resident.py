@@ -33,9 +33,8 @@ from typing import Protocol
 from rlpipe.cluster.failures import StageLaunchError, killed_by, root_cause
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members, still_running
-from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas.errors import MachineError
-from rlpipe.stages import get_stage
+from rlpipe.stages import StageCall, get_stage
 
 #: Seconds a stopped group gets to leave before it is killed.
 STOP_GRACE_S = 10.0

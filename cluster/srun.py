@@ -31,8 +31,7 @@ from rlpipe.cluster.launchers import (
 from rlpipe.cluster.placement import StagePlacement
 from rlpipe.cluster.resident import Handle
 from rlpipe.cluster.workorders import GroupDir
-from rlpipe.pipelines.plan import StageCall
-from rlpipe.stages import get_stage
+from rlpipe.stages import StageCall, get_stage
 
 #: Run by every task of a step (bash -c SCRIPT stage ARGV...): the rank variables from Slurm's,
 #: the rendezvous at the step's first node.

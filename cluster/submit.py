@@ -194,15 +194,13 @@ def allocation_shape(launch, nodes: int, resident: set[str] = frozenset()) -> tu
     return max(per_call[0], side_by_side[0]), cpus, max(per_call[1], side_by_side[1])
 
 
-def render_run_slurm(preset, preset_file: Path, run_dir: Path, *, nodes: int = 1, time: str = "01:00:00",
+def render_run_slurm(preset, preset_file: Path, run_dir: Path, iterations: set[str], *, nodes: int = 1,
+                     time: str = "01:00:00",
                      partition: str | None = None, account: str | None = None, python: str = sys.executable,
                      workdir: str | None = None, job_name: str | None = None) -> str:
     """The sbatch script of a whole run (`cluster/slurm/run.sbatch`): the driver runs
-    `rlpipe run <preset_file> --local --run-dir <run_dir>` in the batch step."""
-    from rlpipe.pipelines.layout import RunLayout
-    from rlpipe.pipelines.plan import Plan
-
-    iterations = Plan(preset, RunLayout(run_dir)).iteration_stages()
+    `rlpipe run <preset_file> --local --run-dir <run_dir>` in the batch step. `iterations`: the
+    stages each iteration calls (the plan's `iteration_stages()`), the ones a resident run keeps."""
     tasks, cpus, gpus = allocation_shape(preset.launch, nodes, resident=iterations)
     extra = [f"#SBATCH --gpus-per-node={gpus}"] if gpus else []
     extra += [f"#SBATCH --partition={partition}"] if partition else []

@@ -25,8 +25,8 @@ from typing import Any
 from rlpipe.cluster.failures import StageLaunchError
 from rlpipe.cluster.placement import StagePlacement
 from rlpipe.cluster.workorders import GroupDir
-from rlpipe.pipelines.plan import StageCall
 from rlpipe.schemas.config import ConfigError
+from rlpipe.stages import StageCall
 
 #: The flow every stage deployment runs (`rlpipe.flows.run_flow.stage_flow`).
 STAGE_FLOW = "rlpipe-stage"

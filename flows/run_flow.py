@@ -40,14 +40,14 @@ from prefect.states import State  # noqa: E402
 from prefect.utilities.annotations import quote  # noqa: E402
 
 from rlpipe.cluster.launchers import Launcher, run_in_process  # noqa: E402
-from rlpipe.pipelines.plan import Plan, StageCall  # noqa: E402
+from rlpipe.pipelines.plan import Plan  # noqa: E402
 from rlpipe.pipelines.preset import Preset  # noqa: E402
 from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
 from rlpipe.pipelines.runner import Pipeline  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.errors import UserError  # noqa: E402
 from rlpipe.schemas.runs import iteration_index  # noqa: E402
-from rlpipe.stages import get_stage  # noqa: E402
+from rlpipe.stages import StageCall, get_stage  # noqa: E402
 
 
 def _transient(task, task_run, state) -> bool:
@@ -174,8 +174,8 @@ def stage_flow(name: str, config: dict | None = None, force: bool = False, confi
     (`rlpipe.flows.pools.serve_group`)."""
     from rlpipe.cluster.launchers import ProcessLauncher
     from rlpipe.cluster.placement import Launch
-    from rlpipe.pipelines.plan import stage_config
     from rlpipe.schemas.config import load_config
+    from rlpipe.stages import stage_config
 
     if worker_group is not None:
         from rlpipe.flows.pools import serve_group

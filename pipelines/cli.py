@@ -310,14 +310,17 @@ def submit_slurm(
     import subprocess
 
     from rlpipe.cluster.submit import render_run_slurm, write_run_preset
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.schemas.errors import UserError
 
     try:
         spec = load_preset(preset, list(ctx.args))
         where = run_dir or Path("runs") / spec.name
-        script_text = render_run_slurm(spec, write_run_preset(spec, where, "slurm"), where, nodes=nodes,
-                                       time=time, partition=partition, account=account)
+        iterations = Plan(spec, RunLayout(where)).iteration_stages()
+        script_text = render_run_slurm(spec, write_run_preset(spec, where, "slurm"), where, iterations,
+                                       nodes=nodes, time=time, partition=partition, account=account)
     except (UserError, ValueError) as e:
         raise _fail(str(e), 2) from None
     script = where.absolute() / "submit" / "run.sbatch"
@@ -349,12 +352,16 @@ def submit_k8s(
     """
     import subprocess
 
-    from rlpipe.cluster.kubernetes import render_run
+    from rlpipe.cluster.kubernetes import mounted_run_dir, render_run
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.schemas.errors import UserError
 
     try:
-        written = render_run(load_preset(preset, list(ctx.args)), out)
+        spec = load_preset(preset, list(ctx.args))
+        plan = Plan(spec, RunLayout(mounted_run_dir(spec)))
+        written = render_run(spec, out, plan.setup(), plan.iteration(0))
     except (UserError, ValueError) as e:
         raise _fail(str(e), 2) from None
     for path in written:

@@ -18,14 +18,13 @@ content), and later stages read the imported artifact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.preset import Preset
-from rlpipe.schemas.config import ConfigError, StageConfig, parse_config
-from rlpipe.stages import get_stage
+from rlpipe.schemas.config import ConfigError
+from rlpipe.stages import StageCall, get_stage, stage_config
 from rlpipe.stages.import_data.config import ONLY_FOR
 from rlpipe.stages.import_data.sources import is_data_file
 
@@ -34,26 +33,6 @@ ASYNC_TIS_CAP = 2.0
 
 #: data.<field> -> the run's data/<name> a data file named there is imported into.
 IMPORTED = {"prompts": "prompts_train", "eval_prompts": "prompts_eval", "preferences": "preferences"}
-
-
-@dataclass(frozen=True)
-class StageCall:
-    """One stage to run: its registry name, its config, and the folder its YAML is saved in."""
-
-    name: str
-    config: StageConfig
-    config_dir: Path
-
-    @property
-    def config_file(self) -> Path:
-        """configs/<stage>.yaml: rerun the stage alone with `rlpipe stage <name> -c <this file>`."""
-        return self.config_dir / f"{self.name}.yaml"
-
-
-def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "preset", **assigned: Any) -> StageConfig:
-    """The config of stage `name`: its knobs from the preset plus the fields the pipeline assigns."""
-    cls = get_stage(name).config_class()
-    return parse_config(cls, {**(fragment or {}), **assigned}, f"{source} ({name})")
 
 
 class Plan:

@@ -23,13 +23,14 @@ import yaml
 from rlpipe.pipelines.keep import prune_run
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.lock import run_lock
-from rlpipe.pipelines.plan import Plan, StageCall
+from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset import Preset
 from rlpipe.pipelines.saved_preset import preset_differences
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
 from rlpipe.schemas.runs import iteration_dirs
+from rlpipe.stages import StageCall
 from rlpipe.stages.common.background import allow_background, wait_for_background
 
 StageCallable = Callable[[StageCall], Manifest]

@@ -24,8 +24,8 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlpipe.pipelines.plan import StageCall
     from rlpipe.pipelines.runner import Pipeline
+    from rlpipe.stages import StageCall
 
 #: How often a waiting lane looks for the other lane's failure (s).
 _LOOK_S = 0.1

@@ -4,6 +4,8 @@ A stage is a package `rlpipe.stages.<name>` with `config.py` (one typed config w
 carry `Input` / `Output` markers), `run.py` (`run(config, *, force=False) -> Manifest`) and
 `__main__.py` (`python -m rlpipe.stages.<name>`). The CLI (`rlpipe stage NAME`), the pipeline
 runner, the Prefect flows and the cluster launchers all read `STAGES`; nothing else lists stages.
+A `StageCall` (a stage with its config, saved under a folder) is what the pipeline plans and what
+every launcher receives: it lives here, below both.
 
 Light on purpose: importing this module imports neither torch nor the stages themselves.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -78,3 +81,25 @@ def get_stage(name: str) -> Stage:
         return STAGES[name]
     except KeyError:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}") from None
+
+
+def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "preset", **assigned: Any) -> StageConfig:
+    """The config of stage `name`: its knobs (from a preset, say) plus the fields the caller assigns."""
+    from rlpipe.schemas.config import parse_config
+
+    cls = get_stage(name).config_class()
+    return parse_config(cls, {**(fragment or {}), **assigned}, f"{source} ({name})")
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One stage to run: its registry name, its config, and the folder its YAML is saved in."""
+
+    name: str
+    config: StageConfig
+    config_dir: Path
+
+    @property
+    def config_file(self) -> Path:
+        """configs/<stage>.yaml: rerun the stage alone with `rlpipe stage <name> -c <this file>`."""
+        return self.config_dir / f"{self.name}.yaml"

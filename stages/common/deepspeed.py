@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +40,21 @@ def use_bf16(dtype: str) -> bool:
     return dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
 
 
+def deepspeed_template(stage: int) -> dict[str, Any]:
+    """The DeepSpeed config template for ZeRO `stage` (0-3), cluster/deepspeed/zero<stage>.json (package
+    data of `rlpipe.cluster`, read as data: no import); "auto" fields are filled by `ds_config`."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    text = resources.files("rlpipe.cluster").joinpath(f"deepspeed/zero{stage}.json").read_text()
+    return json.loads(text)
+
+
 def ds_config(zero_stage: int, *, micro_batch_size: int, grad_accum: int, world_size: int,
               grad_clip: float, bf16: bool = False) -> dict[str, Any]:
     """The zero<stage>.json template with every "auto" field filled.
 
     train_batch_size = micro_batch_size x grad_accum x world_size (DeepSpeed checks this identity).
     """
-    from rlpipe.cluster.launch import deepspeed_template
-
     cfg = deepspeed_template(zero_stage)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
     cfg["gradient_accumulation_steps"] = grad_accum

@@ -215,7 +215,7 @@ def test_a_new_group_waits_until_the_old_members_are_gone(tmp_path, monkeypatch)
     the failed group's members have gone; one still beating refuses the start as a machine failure."""
     from rlpipe.cluster import resident as module
     from rlpipe.cluster.placement import Launch, StagePlacement
-    from rlpipe.pipelines.plan import StageCall
+    from rlpipe.stages import StageCall
 
     monkeypatch.setattr(module, "ABANDON_WAIT_S", 1.0)
     old = GroupDir.create(tmp_path, "task", 1, driver_timeout_s=60)

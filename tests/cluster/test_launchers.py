@@ -14,7 +14,7 @@ from rlpipe.cluster.failures import StageLaunchError, StageUserError
 from rlpipe.cluster.launchers import LOOPBACK, ProcessLauncher, local_processes, log_dir
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.srun import srun_command
-from rlpipe.pipelines.plan import StageCall
+from rlpipe.stages import StageCall
 
 
 def test_placement_is_checked_against_the_stage_scaling():
@@ -35,7 +35,7 @@ def test_placement_is_checked_against_the_stage_scaling():
 
 
 def _call(tmp_path: Path, name: str) -> StageCall:
-    from rlpipe.pipelines.plan import stage_config
+    from rlpipe.stages import stage_config
 
     cfgs = tmp_path / "runs" / "r" / "iter_0003" / "configs"
     paths = {"rollout": dict(checkpoint=tmp_path / "p", prompts=tmp_path / "q", output=tmp_path / "o", run="r",

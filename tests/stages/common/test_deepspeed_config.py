@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.cluster.launch import deepspeed_template
 from rlpipe.stages.common import deepspeed as ds
+from rlpipe.stages.common.deepspeed import deepspeed_template
 
 
 def filled(template: dict, **values) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlpipe.cluster.launch import deepspeed_template, stage_command
-from rlpipe.stages.common.deepspeed import ds_config
+from rlpipe.cluster.launch import stage_command
+from rlpipe.stages.common.deepspeed import deepspeed_template, ds_config
 
 
 def test_torchrun_and_deepspeed_command_lines():

@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-from rlpipe.cluster.launch import deepspeed_template
+from rlpipe.stages.common.deepspeed import deepspeed_template
 
 
 def test_config_is_the_template_filled(tmp_path, artifacts, tiny_policy_dir, make_config, monkeypatch):
