@@ -33,7 +33,6 @@ from pathlib import Path
 
 PLACED = ["launch.launcher=processes", "launch.rollout.workers=1", "launch.rollout.cpus_per_task=1",
           "launch.optimize.ranks_per_node=1", "launch.optimize.cpus_per_task=1"]
-DEFAULT_KEEP = ["keep.train_states=2", "keep.checkpoints_every=10", "keep.best=accuracy"]
 
 
 def child(size: str, staleness: int, run_dir: Path, iterations: int, max_new_tokens: int, overrides: list[str]) -> dict:
@@ -41,9 +40,10 @@ def child(size: str, staleness: int, run_dir: Path, iterations: int, max_new_tok
     from rlpipe.pipelines.preset import load_preset
     from rlpipe.pipelines.runner import Pipeline
 
+    # keep={}: the project's default keep (`Keep()`), not the demo preset's keep-everything
     preset = load_preset("demo", [f"base_model.size={size}", "sft=null", f"iterations={iterations}", "eval_every=0",
                                   "loggers=[]", f"rollout.max_new_tokens={max_new_tokens}",
-                                  f"async.staleness={staleness}", *DEFAULT_KEEP, *PLACED, *overrides])
+                                  f"async.staleness={staleness}", "keep={}", *PLACED, *overrides])
     pipeline = Pipeline(preset, run_dir, log=lambda line: print(line, file=sys.stderr, flush=True))
     assert pipeline.overlaps == (staleness > 0)
     pipeline.run()

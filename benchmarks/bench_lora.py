@@ -69,9 +69,9 @@ def variant(root: Path, name: str, r: int, iterations: int, micro_batch_size: in
         optimize.run(cfg)
         times.append(time.perf_counter() - mark)
         if k == 0:
-            from rlpipe.stages.optimize.replay import _WARM
+            from rlpipe.stages.optimize.replay import WARM
 
-            engine = next(iter(_WARM.values())).policy  # the policy engine, kept warm
+            engine = next(iter(WARM.by_state.values())).policy  # the policy engine, kept warm
             params = list(dict.fromkeys(engine.module.parameters()))
             counted["trainable"] = sum(p.numel() for p in params if p.requires_grad)
             counted["total"] = sum(p.numel() for p in params)

@@ -55,10 +55,6 @@ LAUNCHERS = {
 }
 
 
-#: The default keep, over the demo preset's keep-everything.
-DEFAULT_KEEP = ["keep.train_states=2", "keep.checkpoints_every=10", "keep.best=accuracy"]
-
-
 def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int, gpus: int,
           overrides: list[str]) -> dict:
     """One driver: the demo job at `size` under `launcher`; per iteration its driver-side stage
@@ -73,12 +69,14 @@ def child(size: str, launcher: str, run_dir: Path, iterations: int, threads: int
         f"launch.optimize.gpus_per_node={gpus}",
         # one GPU: the two resident groups take it by turns (refused otherwise, rlpipe.cluster.gpus)
         *(["launch.share_gpus=[rollout,optimize]"] if gpus else [])]
+    # keep={}: the project's default keep (`Keep()`), not the demo preset's keep-everything
     preset = load_preset("demo", [f"base_model.size={size}", "sft=null", f"iterations={iterations}",
-                                  "eval_every=0", "loggers=[]", *DEFAULT_KEEP, *LAUNCHERS[launcher], *placement,
+                                  "eval_every=0", "loggers=[]", "keep={}", *LAUNCHERS[launcher], *placement,
                                   *overrides])
     pipeline = Pipeline(preset, run_dir, log=lambda line: print(line, file=sys.stderr, flush=True))
     pipeline.run()
-    from rlpipe.schemas.pruning import pruned, recorded_manifest
+    from rlpipe.schemas.pruning import pruned
+    from rlpipe.schemas.reading import recorded_manifest
 
     out = []
     for record in pipeline.records:

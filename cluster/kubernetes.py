@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from rlpipe.cluster.failures import StageLaunchError
-from rlpipe.cluster.launchers import PlacedLauncher, stage_argv, worker_argv
+from rlpipe.cluster.placed import PlacedLauncher, stage_argv, worker_argv
 from rlpipe.cluster.placement import KubernetesSpec, StagePlacement
 from rlpipe.cluster.submit import JobSpec, render_k8s
 from rlpipe.cluster.workorders import WORKERS_DIR, GroupDir

@@ -33,7 +33,8 @@ that pool's workers (which start the stage's processes as `processes` would); th
 `processes`."""
 
 #: The settings of the `launch` section that are not stage names.
-SETTINGS = ("launcher", "resident", "stall_timeout_s", "driver_timeout_s", "share_gpus", "kubernetes", "stages")
+SETTINGS = ("launcher", "resident", "stall_timeout_s", "driver_timeout_s", "weight_channel", "share_gpus", "kubernetes",
+            "stages")
 
 
 class _Spec(BaseModel):
@@ -124,6 +125,12 @@ class Launch(_Spec):
     """Resident groups on other hosts than the driver's: workers leave when the driver's
     heartbeat (rewritten every driver_timeout_s / 6) stops for this long. On the driver's host
     they watch its process and leave within a second of its death."""
+    weight_channel: bool = True
+    """Resident groups: optimize sends each new policy to the rollout members over a process group
+    made for it (gloo), from memory, and writes its checkpoint in the background as the record,
+    instead of the members reading the checkpoint back from disk on the critical path. A member
+    that cannot take it from the channel reads the file (one log line says so). False: every
+    policy goes through its file."""
     share_gpus: tuple[str, ...] = ()
     """processes launcher: placed stages whose resident groups may hold the same GPUs and take them
     by turns, e.g. [rollout, optimize] on a machine with one GPU. Before every call of a training

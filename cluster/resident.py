@@ -1,7 +1,7 @@
 """Resident worker groups, the driver's side: a placed stage starts once per run and takes each
 iteration's stage call as a work order (`rlpipe.cluster.worker`, `rlpipe.cluster.workorders`).
 
-A placed launcher (`rlpipe.cluster.launchers.PlacedLauncher`) with `launch.resident` (the default)
+A placed launcher (`rlpipe.cluster.placed.PlacedLauncher`) with `launch.resident` (the default)
 hands every call of an RL iteration to `ResidentGroups.run`: the first call of a stage starts its
 group through the launcher's `start_group` (N processes, a torchrun job, an srun step, a
 Kubernetes Job, a Prefect flow run), every call sends the saved config as an order and waits for
@@ -31,10 +31,15 @@ from pathlib import Path
 from typing import Protocol
 
 from rlpipe.cluster.failures import StageLaunchError, killed_by, root_cause
+from rlpipe.cluster.logs import stage_log
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members, still_running
 from rlpipe.schemas.errors import MachineError
+from rlpipe.schemas.manifest import Manifest
+from rlpipe.schemas.pending import register as register_pending
+from rlpipe.schemas.pending import wait_until_written
 from rlpipe.stages import StageCall, get_stage
+from rlpipe.stages.common.weight_channel import ADDRESS_FILE, wait_for_file
 
 #: Seconds a stopped group gets to leave before it is killed.
 STOP_GRACE_S = 10.0
@@ -74,14 +79,6 @@ def members_of(stage: str, p: StagePlacement) -> int:
     return p.workers if get_stage(stage).scaling == "shards" else p.nodes * p.ranks_per_node
 
 
-def order_log(logs: Path, stage: str, member: int, members: int) -> Path:
-    """Where member `member`'s output of one call goes: `<stage>.<i>.log` per worker of a 'shards'
-    stage on several workers, else one `<stage>.log` (the ranks of a job share it)."""
-    if get_stage(stage).scaling == "shards" and members > 1:
-        return logs / f"{stage}.{member}.log"
-    return logs / f"{stage}.log"
-
-
 class ResidentGroup:
     """One started group: sends orders, waits for the answers."""
 
@@ -95,23 +92,39 @@ class ResidentGroup:
         self.pids: dict[int, int | None] = {}
         """The processes of the members that failed the stop order (`stop`)."""
 
-    def run(self, call: StageCall, force: bool, logs: Path) -> Path:
+    def run(self, call: StageCall, force: bool, logs: Path, send_weights_to: ResidentGroup | None = None) -> Path:
         """Send `call` as the next order and wait for every member's answer; returns the first
-        member's log of it. Raises StageLaunchError (see the module doc)."""
+        member's log of it. Raises StageLaunchError (see the module doc).
+
+        `send_weights_to`: the group the call's new policy goes to over the weight channel
+        (stages/common/weight_channel.py). The policy is then written in the background: this
+        process knows it by the manifest the member answered with until its files are complete."""
         self.seq += 1
-        out = {m: order_log(logs, self.stage, m, self.members) for m in range(self.members)}
+        out = {m: stage_log(logs, self.stage, m, self.members) for m in range(self.members)}
         for log in set(out.values()):
             log.write_bytes(b"")  # this call's output only, as a per-call launch leaves it
-        self.group.send(self.seq, {"config_file": str(call.config_file.absolute()), "force": force,
-                                   "logs": {str(m): str(p.absolute()) for m, p in out.items()}})
+        order = {"config_file": str(call.config_file.absolute()), "force": force,
+                 "logs": {str(m): str(p.absolute()) for m, p in out.items()}}
+        if send_weights_to is not None:
+            to = send_weights_to.group.path
+            order["weight_channel"] = {"folder": str(to.parent), "group": to.name, "members": send_weights_to.members}
+        self.group.send(self.seq, order)
         self._wait(out)
+        for answer in self.group.answers(self.seq, self.members).values():
+            for path, manifest in answer.get("writing", {}).items():
+                register_pending(path, Manifest.model_validate_json(manifest),
+                                 wait=lambda p=path: wait_for_file(p, alive=self.alive))
         return out[0]
+
+    def alive(self) -> bool:
+        """Whether the group's processes are running (its background writes may still complete)."""
+        return not self.gone and self.handle.ended() is None
 
     def make_room(self, logs: Path) -> None:
         """A make-room order (`rlpipe.cluster.worker`: free the GPU memory the member's engine holds)
         and every member's answer; its lines go to this iteration's log of the stage, under `logs`."""
         self.seq += 1
-        out = {m: order_log(logs, self.stage, m, self.members) for m in range(self.members)}
+        out = {m: stage_log(logs, self.stage, m, self.members) for m in range(self.members)}
         self.group.send(self.seq, {"make_room": True, "logs": {str(m): str(p.absolute()) for m, p in out.items()}})
         self._wait(out)
 
@@ -254,11 +267,25 @@ class ResidentGroups:
         group = self.groups.get(call.name)
         if group is None:
             group = self.groups[call.name] = self._start(call, p, logs.parent)
+        if not self.takes_weights(call.name):
+            for path in call.config.inputs().values():
+                wait_until_written(path)  # (a policy still written by optimize's member: its file)
         try:
-            return group.run(call, force, logs)
+            return group.run(call, force, logs, send_weights_to=self._receivers(call.name))
         except BaseException:
             self._drop(call.name, group)
             raise
+
+    def takes_weights(self, stage: str) -> bool:
+        """Whether `stage` takes the policy over the weight channel (`launch.weight_channel`, a
+        receiving stage: rollout)."""
+        return self.launch.weight_channel and get_stage(stage).weights == "receive"
+
+    def _receivers(self, stage: str) -> ResidentGroup | None:
+        """The live group a sending stage's (optimize's) new policy goes to, if any."""
+        if not self.launch.weight_channel or get_stage(stage).weights != "send":
+            return None
+        return next((g for name, g in self.groups.items() if self.takes_weights(name)), None)
 
     def make_room(self, stages: Sequence[str], logs: Path) -> None:
         """The live groups of `stages` free the GPU memory their engines hold (a vLLM engine sleeps,
@@ -291,7 +318,8 @@ class ResidentGroups:
             self._swept.add(run_dir)
         members = members_of(call.name, p)
         timeout = self.launch.driver_timeout_s
-        group = GroupDir.create(run_dir, call.name, members, driver_timeout_s=timeout)
+        group = GroupDir.create(run_dir, call.name, members, driver_timeout_s=timeout,
+                                weight_channel=self.launch.weight_channel and get_stage(call.name).weights is not None)
         self._start_beating()
         folder = logs_root / WORKERS_DIR
         folder.mkdir(parents=True, exist_ok=True)
@@ -329,6 +357,7 @@ class ResidentGroups:
         self._beating.clear()
         for run_dir in self._swept:
             with contextlib.suppress(OSError):
+                (run_dir / WORKERS_DIR / ADDRESS_FILE).unlink(missing_ok=True)  # (the weight channel's, for this run)
                 (run_dir / WORKERS_DIR).rmdir()  # (only when empty)
         if failures and wait:  # the run's last train state (written in the background) is missing
             group, member, code = failures[0]
@@ -351,7 +380,10 @@ def sweep(workers: Path) -> None:
     if still:
         raise _still_running(still[0], "an earlier driver of this run")
     for d in workers.iterdir():
-        shutil.rmtree(d, ignore_errors=True)
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        else:  # (the weight channel's address)
+            d.unlink(missing_ok=True)
 
 
 def wait_gone(groups: list[GroupDir], timeout: float) -> list[GroupDir]:

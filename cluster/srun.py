@@ -20,15 +20,9 @@ from pathlib import Path
 
 from rlpipe.cluster.failures import StageLaunchError
 from rlpipe.cluster.launch import LOOPBACK, free_port
-from rlpipe.cluster.launchers import (
-    PlacedLauncher,
-    Process,
-    ProcessGroup,
-    process_env,
-    stage_argv,
-    worker_argv,
-)
+from rlpipe.cluster.placed import PlacedLauncher, process_env, stage_argv, worker_argv
 from rlpipe.cluster.placement import StagePlacement
+from rlpipe.cluster.process_group import Process, ProcessGroup
 from rlpipe.cluster.resident import Handle
 from rlpipe.cluster.workorders import GroupDir
 from rlpipe.stages import StageCall, get_stage

@@ -36,8 +36,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, me, read_json
+from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, read_json, this_process
+from rlpipe.stages import get_stage
 from rlpipe.stages.common.interrupt import exit_on_signals
+from rlpipe.stages.common.weight_channel import CHANNEL
 
 #: Seconds between a member's heartbeats (and its looks at the driver).
 BEAT_S = 1.0
@@ -75,12 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = GroupDir(a.group.absolute())
     member, members = identity(a.member, a.members)
     stage = group.info["stage"]
-    group.member_started(member, {**me(), "time": time.time()})
+    group.member_started(member, {**this_process(), "time": time.time()})
     print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} serving {group.path}", flush=True)
     threading.Thread(target=_watchdog, args=(group, member), daemon=True, name="rlpipe-watchdog").start()
     try:
         with exit_on_signals(f"worker {stage}.{member}"):
             _import_stage(stage)
+            if group.info.get("weight_channel") and get_stage(stage).weights == "receive":
+                CHANNEL.receive(group.path.parent, group.path.name, member)  # (joins once optimize sends)
             group.member_ready(member)
             return serve(group, stage, member, members)
     finally:
@@ -121,8 +125,10 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
             return code
         started = time.perf_counter()
         code = make_room(stage, order, member) if order.get("make_room") else run_order(stage, order, member, members)
+        writing = _still_writing(stage, order) if code == 0 and not order.get("make_room") else {}
         group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
-                                   "seconds": round(time.perf_counter() - started, 3)})
+                                   "seconds": round(time.perf_counter() - started, 3),
+                                   **({"writing": writing} if writing else {})})
         if code != 0:
             return code
         seq += 1
@@ -147,16 +153,22 @@ def _next_order(group: GroupDir, seq: int) -> dict[str, Any]:
 
 
 def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> int:
-    """Run the stage on the order's saved config, as its command line would; returns the exit code."""
+    """Run the stage on the order's saved config, as its command line would; returns the exit code.
+    A sending stage's order names the receiving group (`weight_channel`): rank 0 sends the new
+    policy to it; a receiving member first takes the checkpoints that came over the channel."""
     from rlpipe.stages import get_stage
     from rlpipe.stages.common.cli import stage_main
 
+    to = order.get("weight_channel")  # {"folder": runs/<run>/workers, "group": its name, "members": N}
+    CHANNEL.order_sends_to(Path(to["folder"]) if to else None, (to["members"], to["group"]) if to else None, member)
     argv = ["-c", order["config_file"], *(["--force"] if order.get("force") else [])]
     if get_stage(stage).scaling == "shards" and members > 1:
         argv += [f"worker_index={member}", f"worker_count={members}"]
     with _output_to(Path(order["logs"][str(member)])):
         print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()}: {' '.join(argv)}", flush=True)
         try:
+            if CHANNEL.receiver is not None:
+                CHANNEL.take(_checkpoint_inputs(stage, order))
             return stage_main(stage, argv)
         except SystemExit as e:  # the stage's SIGINT / SIGTERM exit (130 / 143), or argparse's
             return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
@@ -165,11 +177,43 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> i
             return 1
 
 
+def _config(stage: str, order: dict[str, Any]) -> Any:
+    from rlpipe.schemas.config import load_config
+    from rlpipe.stages import get_stage
+
+    return load_config(get_stage(stage).config_class(), order["config_file"])
+
+
+def _checkpoint_inputs(stage: str, order: dict[str, Any]) -> list[Path]:
+    """The checkpoints the order's stage reads (the policy a rollout samples from); none for a
+    config that does not parse (the stage then reports it, exit code 2, as its command line would)."""
+    from rlpipe.schemas.errors import UserError
+
+    try:
+        config = _config(stage, order)
+    except (UserError, OSError):
+        return []
+    return [Path(p) for name, p in config.inputs().items() if config.input_kind(name) == "checkpoint"]
+
+
+def _still_writing(stage: str, order: dict[str, Any]) -> dict[str, str]:
+    """The order's outputs this process is still writing in the background whose manifest is
+    decided (path -> manifest JSON): the policy sent over the weight channel. The driver knows
+    them by these manifests until their files are complete (schemas/pending.py)."""
+    from rlpipe.schemas.pending import pending_manifest
+
+    if get_stage(stage).weights != "send":
+        return {}
+    config = _config(stage, order)
+    decided = {str(p): pending_manifest(p) for p in config.outputs().values()}
+    return {p: m.model_dump_json() for p, m in decided.items() if m is not None}
+
+
 def make_room(stage: str, order: dict[str, Any], member: int) -> int:
     """A make-room order (`launch.share_gpus`, before a training stage on this member's GPUs): free
     the GPU memory this process's engine holds, as the in-process launcher does before one (a vLLM
     engine sleeps; the next rollout order wakes it with the new policy). Returns the exit code."""
-    from rlpipe.cluster.launchers import make_room_here
+    from rlpipe.cluster.inprocess import make_room_here
 
     with _output_to(Path(order["logs"][str(member)])):
         try:

@@ -35,17 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlpipe.schemas.atomic import atomic_write_json
+
 #: Where a run's resident groups live, under the run directory.
 WORKERS_DIR = "workers"
 #: How often members and the driver look for news (orders, answers).
 POLL_S = 0.02
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` to `path` atomically (a temporary name in the same folder, renamed)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -81,14 +76,14 @@ def process_start(pid: int) -> str | None:
 
 
 def still_running(process: dict[str, Any]) -> bool:
-    """Whether the process a `me()` record of this host names still runs (its pid names a process
-    that started when it did: a reused pid has another start)."""
+    """Whether the process a `this_process()` record of this host names still runs (its pid names
+    a process that started when it did: a reused pid has another start)."""
     start = process_start(int(process["pid"]))
     return start is not None and not (start and process["start"] and start != process["start"])
 
 
-def me() -> dict[str, Any]:
-    """This process: host, pid, start."""
+def this_process() -> dict[str, Any]:
+    """This process's identity: host, pid, start (`still_running` tells whether it still runs)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
 
 
@@ -99,13 +94,16 @@ class GroupDir:
     path: Path
 
     @classmethod
-    def create(cls, run_dir: Path, stage: str, members: int, *, driver_timeout_s: float) -> GroupDir:
-        """A new group folder for `stage`, with its group.json written (the driver's side)."""
+    def create(cls, run_dir: Path, stage: str, members: int, *, driver_timeout_s: float,
+               weight_channel: bool = False) -> GroupDir:
+        """A new group folder for `stage`, with its group.json written (the driver's side).
+        `weight_channel`: its members take part in the weight channel (`launch.weight_channel`)."""
         group = cls(run_dir / WORKERS_DIR / f"{stage}-{secrets.token_hex(4)}")
         for sub in ("orders", "done", "members"):
             (group.path / sub).mkdir(parents=True, exist_ok=True)
-        write_json(group.path / "group.json", {"stage": stage, "members": members, "driver": me(),
-                                               "driver_timeout_s": driver_timeout_s})
+        atomic_write_json(group.path / "group.json", {"stage": stage, "members": members, "driver": this_process(),
+                                                      "driver_timeout_s": driver_timeout_s,
+                                                      "weight_channel": weight_channel})
         group.beat(0)
         return group
 
@@ -124,10 +122,10 @@ class GroupDir:
         return self.path / "done" / f"{seq:06d}.{member}.json"
 
     def send(self, seq: int, order: dict[str, Any]) -> None:
-        write_json(self.order_file(seq), order)
+        atomic_write_json(self.order_file(seq), order)
 
     def answer(self, seq: int, member: int, answer: dict[str, Any]) -> None:
-        write_json(self.done_file(seq, member), answer)
+        atomic_write_json(self.done_file(seq, member), answer)
 
     def first_unanswered(self, members: list[int]) -> int:
         """The first order that not every one of `members` has answered: where a member starts
@@ -146,7 +144,7 @@ class GroupDir:
     def beat(self, count: int, member: int | None = None) -> None:
         """Rewrite the driver's (or a member's) heartbeat."""
         name = "driver.beat" if member is None else f"members/{member}.beat"
-        write_json(self.path / name, {"count": count, "time": time.time()})
+        atomic_write_json(self.path / name, {"count": count, "time": time.time()})
 
     def heartbeat(self, member: int | None = None) -> int | None:
         name = "driver.beat" if member is None else f"members/{member}.beat"
@@ -154,26 +152,26 @@ class GroupDir:
         return None if beat is None else int(beat["count"])
 
     def member_started(self, member: int, record: dict[str, Any]) -> None:
-        write_json(self.path / "members" / f"{member}.json", record)
+        atomic_write_json(self.path / "members" / f"{member}.json", record)
 
     def member_record(self, member: int) -> dict[str, Any] | None:
         return read_json(self.path / "members" / f"{member}.json")
 
     def member_ready(self, member: int) -> None:
-        write_json(self.path / "members" / f"{member}.ready", {"time": time.time()})
+        atomic_write_json(self.path / "members" / f"{member}.ready", {"time": time.time()})
 
     def all_ready(self, members: int) -> bool:
         return all((self.path / "members" / f"{m}.ready").is_file() for m in range(members))
 
     def member_exited(self, member: int) -> None:
-        write_json(self.path / "members" / f"{member}.exit", {"time": time.time()})
+        atomic_write_json(self.path / "members" / f"{member}.exit", {"time": time.time()})
 
     def has_exited(self, member: int) -> bool:
         return (self.path / "members" / f"{member}.exit").is_file()
 
     def abandon(self) -> None:
         """Tell the members of this group (of an earlier driver) to leave now."""
-        write_json(self.path / "abandon", {"by": me(), "time": time.time()})
+        atomic_write_json(self.path / "abandon", {"by": this_process(), "time": time.time()})
 
     @property
     def abandoned(self) -> bool:
@@ -190,7 +188,8 @@ class DriverWatch:
         self.group, self.driver = group, info["driver"]
         self.timeout = float(info["driver_timeout_s"])
         self.same_host = self.driver["host"] == socket.gethostname()
-        self.last_count, self.last_change = group.heartbeat(), time.monotonic()
+        self.beats: dict[None, tuple[int | None, float]] = {None: (group.heartbeat(), time.monotonic())}
+        """The driver's last heartbeat and when it changed (`heartbeat_stopped`)."""
 
     def gone(self) -> str | None:
         """Why the driver is gone, or None while it lives."""
@@ -200,10 +199,7 @@ class DriverWatch:
             return "the driver removed this group (it stopped it)"
         if self.same_host:
             return None if still_running(self.driver) else f"the driver (pid {self.driver['pid']}) has exited"
-        count = self.group.heartbeat()
-        if count != self.last_count:
-            self.last_count, self.last_change = count, time.monotonic()
-        elif time.monotonic() - self.last_change > self.timeout:
+        if heartbeat_stopped(self.beats, None, self.group.heartbeat(), self.timeout):
             return (f"the driver (pid {self.driver['pid']} on {self.driver['host']}) sent no heartbeat for "
                     f"{self.timeout:.0f} s")
         return None
@@ -222,11 +218,19 @@ def live_members(group: GroupDir, timeout_s: float, since: dict[int, tuple[int |
             continue
         if record["host"] == here and not still_running(record):
             continue  # on this host: its process is gone (killed before it could say so)
-        count, now = group.heartbeat(m), time.monotonic()
-        last = since.get(m)
-        if last is None or last[0] != count:
-            since[m] = (count, now)
-        elif now - last[1] > timeout_s:
-            continue
-        alive.append(m)
+        if not heartbeat_stopped(since, m, group.heartbeat(m), timeout_s):
+            alive.append(m)
     return alive
+
+
+def heartbeat_stopped(seen: dict[Any, tuple[int | None, float]], key: Any, count: int | None,
+                      timeout_s: float) -> bool:
+    """Whether the heartbeat of `key` (a member, or None: the driver), now at `count`, has not
+    changed for more than `timeout_s` of this process's clock (so clock skew between nodes plays no
+    part). `seen` holds, across calls, each key's last count and when it changed; updated here."""
+    now = time.monotonic()
+    last = seen.get(key)
+    if last is None or last[0] != count:
+        seen[key] = (count, now)
+        return False
+    return now - last[1] > timeout_s

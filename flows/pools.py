@@ -1,4 +1,5 @@
-"""Stages on Prefect work pools: the `prefect` launcher's side (`rlpipe.cluster.launchers`).
+"""Stages on Prefect work pools: the `prefect` launcher (`PrefectPoolLauncher`, named in the
+launcher registry `rlpipe.cluster.launchers`).
 
 A placed stage with `work_pool: gpu` becomes a run of the deployment `rlpipe-stage/gpu` (the
 `rlpipe-stage` flow deployed on that pool by `python -m rlpipe.flows.deploy --stage-pool gpu`),
@@ -23,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.cluster.failures import StageLaunchError
+from rlpipe.cluster.placed import PlacedLauncher
 from rlpipe.cluster.placement import StagePlacement
+from rlpipe.cluster.process_group import ProcessGroup
+from rlpipe.cluster.processes import group_processes, run_here
+from rlpipe.cluster.resident import Handle
 from rlpipe.cluster.workorders import GroupDir
 from rlpipe.schemas.config import ConfigError
 from rlpipe.stages import StageCall
@@ -45,6 +50,21 @@ def _deployment_missing(stage: str, p: StagePlacement) -> ConfigError:
 
 def _placement(p: StagePlacement) -> dict[str, Any] | None:
     return p.model_dump(mode="json", exclude_defaults=True, exclude={"work_pool"}) or None
+
+
+class PrefectPoolLauncher(PlacedLauncher):
+    """Placed stages with a `work_pool` on that Prefect work pool's workers; the others as
+    processes on this machine (`rlpipe.cluster.processes`)."""
+
+    def start(self, call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
+        if p.work_pool is None:
+            return run_here(call, p, force, logs)
+        return run_on_pool(call, p, force, logs)
+
+    def start_group(self, stage: str, p: StagePlacement, group: GroupDir, members: int, logs: Path) -> Handle:
+        if p.work_pool is None:
+            return ProcessGroup(group_processes(stage, p, group, logs))
+        return PoolGroup(stage, p, group, logs)
 
 
 def run_on_pool(call: StageCall, p: StagePlacement, force: bool, logs: Path) -> Path:
@@ -128,9 +148,6 @@ def serve_group(name: str, group: str, placement: dict | None) -> dict:
     """The worker's side of a `PoolGroup`: start the group's processes on this machine as the
     processes launcher would and wait for all of them to leave; a member that ends with another
     exit code than 0 fails the flow run (the driver then fails the call in flight)."""
-    from rlpipe.cluster.launchers import ProcessGroup, group_processes
-    from rlpipe.cluster.workorders import GroupDir
-
     folder = GroupDir(Path(group))
     logs = folder.path.parent.parent / "logs" / "workers"
     logs.mkdir(parents=True, exist_ok=True)

@@ -39,10 +39,12 @@ from prefect.cache_policies import NONE  # noqa: E402
 from prefect.states import State  # noqa: E402
 from prefect.utilities.annotations import quote  # noqa: E402
 
-from rlpipe.cluster.launchers import Launcher, run_in_process  # noqa: E402
+from rlpipe.cluster.inprocess import run_in_process  # noqa: E402
+from rlpipe.cluster.launchers import Launcher  # noqa: E402
+from rlpipe.pipelines.display import NOTE  # noqa: E402
 from rlpipe.pipelines.plan import Plan  # noqa: E402
-from rlpipe.pipelines.preset import Preset  # noqa: E402
-from rlpipe.pipelines.report import NOTE, run_table, shown_iteration  # noqa: E402
+from rlpipe.pipelines.preset_spec import Preset  # noqa: E402
+from rlpipe.pipelines.report import run_table, shown_iteration  # noqa: E402
 from rlpipe.pipelines.runner import Pipeline  # noqa: E402
 from rlpipe.schemas import Manifest  # noqa: E402
 from rlpipe.schemas.errors import UserError  # noqa: E402
@@ -172,8 +174,8 @@ def stage_flow(name: str, config: dict | None = None, force: bool = False, confi
     pool); with a `placement` (workers, ranks_per_node, ...) as the processes launcher would.
     With `worker_group` (a resident group's folder): run the group's members until they leave
     (`rlpipe.flows.pools.serve_group`)."""
-    from rlpipe.cluster.launchers import ProcessLauncher
     from rlpipe.cluster.placement import Launch
+    from rlpipe.cluster.processes import ProcessLauncher
     from rlpipe.schemas.config import load_config
     from rlpipe.stages import stage_config
 

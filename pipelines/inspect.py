@@ -21,11 +21,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rlpipe.pipelines.display import COLUMNS, format_value, printable
 from rlpipe.pipelines.report import (
-    COLUMNS,
-    format_value,
     iteration_metrics,
-    printable,
     sample_completions,
     shown_iteration,
     stage_seconds,

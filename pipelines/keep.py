@@ -19,15 +19,28 @@ metrics, and anything incomplete. An artifact goes only once the one that supers
 complete: train states count only complete ones, so one being written keeps its predecessors.
 A pruned artifact leaves its record (`rlpipe.schemas.pruning`): the run resumes and extends past
 it as cache hits, and only a stage that must recompute from it fails, naming it and this section.
+
+Order of deletion (`prune_artifact`), so that a crash anywhere leaves a complete artifact or a
+pruned one, never something that looks like either but is not: the record is written (atomically)
+into the directory, then the manifest is removed, then the other files.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from rlpipe.schemas.atomic import atomic_write_bytes
+from rlpipe.schemas.errors import UserError
+from rlpipe.schemas.manifest import MANIFEST_NAME
+from rlpipe.schemas.pruning import PRUNED_NAME, Pruned
+from rlpipe.schemas.reading import exists, read_manifest
+from rlpipe.schemas.runs import iteration_dirs
 
 #: Table artifacts of an iteration that `tables: false` prunes (metrics and evaluations stay: the
 #: report reads them).
@@ -56,36 +69,34 @@ class Keep(BaseModel):
 
 
 @dataclass(frozen=True)
-class Doomed:
-    """An artifact the rule deletes now, and why."""
+class Deletion:
+    """An artifact the rule deletes now, and why (the keep setting that lets it go)."""
 
     path: Path
     reason: str
 
 
-def doomed(run_dir: Path, keep: Keep, *, staleness: int = 0) -> list[Doomed]:
+def deletions(run_dir: Path, keep: Keep, *, staleness: int = 0) -> list[Deletion]:
     """The complete artifacts of `run_dir` that `keep` no longer keeps (see the module doc).
 
     Args:
         staleness: the run's rollouts sample from the policy this many iterations back, which
             therefore stay.
     """
-    from rlpipe.schemas.runs import iteration_dirs
-
     iters = dict(iteration_dirs(run_dir))
-    done = [k for k, d in iters.items() if _complete(d / "policy")]
+    done = [k for k, d in iters.items() if exists(d / "policy")]
     if not done:
         return []
     last = max(done)
-    states = sorted(k for k, d in iters.items() if _complete(d / "train_state"))
+    states = sorted(k for k, d in iters.items() if exists(d / "train_state"))
     kept_states = set(states if keep.train_states is None else states[-keep.train_states:])
     # The next optimize continues from the last complete state and replays the runs after it, each
     # on its inputs: the checkpoints from that state's iteration on (the first replayed run's input
     # policy is that iteration's), the tables after it.
     chain = states[-1] if states else 0
     since = chain + 1 if states else 0
-    out = [Doomed(iters[k] / "train_state", f"keep.train_states={keep.train_states}: only the last "
-                  f"{keep.train_states} train state(s) stay") for k in states if k not in kept_states]
+    out = [Deletion(iters[k] / "train_state", f"keep.train_states={keep.train_states}: only the last "
+                    f"{keep.train_states} train state(s) stay") for k in states if k not in kept_states]
     kept = {last, *range(chain, last + 1), *range(max(0, last - staleness), last + 1)}
     if keep.checkpoints_every:
         kept |= {k for k in done if (k + 1) % keep.checkpoints_every == 0}
@@ -94,29 +105,22 @@ def doomed(run_dir: Path, keep: Keep, *, staleness: int = 0) -> list[Doomed]:
         kept.add(best)
     why = (f"keep.checkpoints_every={keep.checkpoints_every}, keep.best={keep.best or 'null'}: not the last, "
            "a kept period or the best evaluation")
-    out += [Doomed(iters[k] / name, why) for k in sorted(iters) if k not in kept and k < last
-            for name in CHECKPOINTS if _complete(iters[k] / name)]
+    out += [Deletion(iters[k] / name, why) for k in sorted(iters) if k not in kept and k < last
+            for name in CHECKPOINTS if exists(iters[k] / name)]
     if not keep.tables:
-        out += [Doomed(iters[k] / name, "keep.tables=false: only the tables a resumed run replays stay")
+        out += [Deletion(iters[k] / name, "keep.tables=false: only the tables a resumed run replays stay")
                 for k in sorted(iters) if k < min(since, last - staleness) for name in TABLES
-                if _complete(iters[k] / name)]
+                if exists(iters[k] / name)]
     return out
-
-
-def _complete(path: Path) -> bool:
-    from rlpipe.schemas.manifest import MANIFEST_NAME
-
-    return (path / MANIFEST_NAME).is_file()
 
 
 def _best(iters: dict[int, Path], metric: str) -> int | None:
     """The iteration whose evaluation scored highest on `metric` (the earliest of equals)."""
     from rlpipe.pipelines.report import eval_metrics
-    from rlpipe.schemas.errors import UserError
 
     scores = {}
     for k, d in sorted(iters.items()):
-        if _complete(d / "eval"):
+        if exists(d / "eval"):
             metrics = eval_metrics(d / "eval")
             if metric not in metrics:
                 raise UserError(f"keep.best: {metric!r} is not a metric of the evaluate stage ({d / 'eval'} has "
@@ -127,20 +131,14 @@ def _best(iters: dict[int, Path], metric: str) -> int | None:
 
 def prune_run(run_dir: Path, keep: Keep, *, staleness: int = 0, dry_run: bool = False,
               log: Callable[[str], None] = print) -> int:
-    """Delete what `keep` no longer keeps (`doomed`), logging each with its size; returns the
+    """Delete what `keep` no longer keeps (`deletions`), logging each with its size; returns the
     bytes freed (or that would be, with `dry_run`)."""
-    from rlpipe.schemas.pruning import (
-        PRUNED_NAME,
-        artifact_bytes,
-        prune_artifact,
-        remove_pruned_files,
-    )
-
     freed = 0
-    for d in doomed(run_dir, keep, staleness=staleness):
-        size = artifact_bytes(d.path) if dry_run else prune_artifact(d.path, d.reason)
+    for deletion in deletions(run_dir, keep, staleness=staleness):
+        path, reason = deletion.path, deletion.reason
+        size = artifact_bytes(path) if dry_run else prune_artifact(path, reason)
         freed += size
-        log(f"{'would prune' if dry_run else 'pruned'} {d.path.relative_to(run_dir)} ({_mb(size)}; {d.reason})")
+        log(f"{'would prune' if dry_run else 'pruned'} {path.relative_to(run_dir)} ({_mb(size)}; {reason})")
     # A prune killed after an artifact's record was written left some of its files: finish it.
     for record in run_dir.glob(f"*/*/{PRUNED_NAME}"):
         left = [f for f in record.parent.rglob("*") if f.is_file() and f != record]
@@ -152,6 +150,36 @@ def prune_run(run_dir: Path, keep: Keep, *, staleness: int = 0, dry_run: bool = 
             log(f"{'would remove' if dry_run else 'removed'} what an interrupted prune left in "
                 f"{record.parent.relative_to(run_dir)} ({_mb(size)})")
     return freed
+
+
+def artifact_bytes(path: Path | str) -> int:
+    """Bytes of every file under `path`."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def prune_artifact(path: Path | str, reason: str) -> int:
+    """Delete the artifact at `path`, leaving its record (`rlpipe.schemas.pruning`; the order of
+    the steps: see the module doc); returns the bytes freed. The artifact must be complete."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    size = artifact_bytes(path)
+    record = Pruned(manifest=manifest, reason=reason, bytes=size,
+                    pruned_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    atomic_write_bytes(path / PRUNED_NAME, record.model_dump_json(indent=1).encode(), fsync=True)
+    (path / MANIFEST_NAME).unlink()  # from here on it is pruned, not an artifact
+    remove_pruned_files(path)
+    return size
+
+
+def remove_pruned_files(path: Path) -> None:
+    """Remove everything but the record under a pruned artifact (what a crash left is removed
+    by the next prune)."""
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            if Path(root) != path or name != PRUNED_NAME:
+                os.unlink(os.path.join(root, name))
+        for name in dirs:
+            os.rmdir(os.path.join(root, name))
 
 
 def _mb(n: int) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.pipelines.layout import RunLayout
-from rlpipe.pipelines.preset import Preset
+from rlpipe.pipelines.preset_spec import Preset
 from rlpipe.schemas.config import ConfigError
 from rlpipe.stages import StageCall, get_stage, stage_config
 from rlpipe.stages.import_data.config import ONLY_FOR
@@ -112,14 +112,15 @@ class Plan:
         """S of `async: {staleness: S}` (0: synchronous)."""
         return self.preset.asynchronous.staleness
 
-    def policy(self, k: int) -> Path:
-        """The policy iteration k optimises: optimize k-1's (the starting policy for k = 0)."""
+    def policy_before(self, k: int) -> Path:
+        """The policy as it is before iteration k, which optimize k trains from: optimize k-1's
+        output (the starting policy for k = 0)."""
         return self.layout.stage(k - 1, "policy") if k > 0 else self.start_policy()
 
-    def sampler(self, k: int) -> Path:
-        """The policy iteration k's rollout samples from: optimize k-1-S's (`async`; S = 0: the
-        one it optimises)."""
-        return self.policy(k - self.staleness) if k >= self.staleness else self.start_policy()
+    def sampling_policy(self, k: int) -> Path:
+        """The policy iteration k's rollout samples from: the one before iteration k-S, optimize
+        k-1-S's output (`async`; S = 0: the one iteration k optimises)."""
+        return self.policy_before(k - self.staleness) if k >= self.staleness else self.start_policy()
 
     def critic(self, k: int) -> Path | None:
         """The critic iteration k trains (optimize k-1's); its values at sampling time come from
@@ -183,7 +184,7 @@ class Plan:
         calls.append(self.call("advantage", cfgs, scores=scores, output=L.stage(k, "advantages"), **joined,
                                **self._adaptive_kl(k)))
         critic = self.critic(k)
-        optimize = dict(policy=self.policy(k), rollouts=rollouts, advantages=L.stage(k, "advantages"),
+        optimize = dict(policy=self.policy_before(k), rollouts=rollouts, advantages=L.stage(k, "advantages"),
                         reference=reference, critic=critic, output=L.stage(k, "policy"),
                         metrics_output=L.stage(k, "metrics"), run=L.name,
                         critic_output=L.stage(k, "critic") if critic is not None else None)
@@ -231,8 +232,8 @@ class Plan:
 
         def call(offset: int) -> StageCall:
             # policy_version: how many optimize runs the sampling policy has had (k - S: stale by S)
-            return self.call("rollout", cfgs, checkpoint=self.sampler(k), prompts=train, output=rollouts, run=L.name,
-                             iteration=k, policy_version=max(0, k - self.staleness),
+            return self.call("rollout", cfgs, checkpoint=self.sampling_policy(k), prompts=train, output=rollouts,
+                             run=L.name, iteration=k, policy_version=max(0, k - self.staleness),
                              num_prompts=p.prompts_per_iteration, prompt_offset=offset)
 
         first = call(0)
@@ -283,7 +284,7 @@ class Plan:
         if kl.get("controller") != "adaptive" or k == 0:
             return {}
         from rlpipe.schemas.errors import UserError
-        from rlpipe.schemas.pruning import recorded_manifest
+        from rlpipe.schemas.reading import recorded_manifest
 
         previous = self.layout.stage(k - 1, "advantages")
         try:

@@ -3,7 +3,7 @@
 Everything is read back from the run's artifacts with Polars, so the summary of a finished,
 resumed or still-running run is the same, and the console line, `rlpipe inspect`, the report
 (runs/<run>/report/: curves.png, metrics.md, index.html), the metric sinks (`sinks.py`) and the
-Prefect artifacts all show these numbers, under these names:
+Prefect artifacts all show these numbers, under these names (their labels: `display.py`):
 
 - Numbering: iteration k of the code (directory iter_{k:04d}, the `iteration` column of its
   rollouts and metrics) is SHOWN as n = k + 1 (`shown_iteration`): the number of iterations
@@ -25,6 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlpipe.pipelines.display import COLUMNS, NOTE, format_value, printable
+from rlpipe.pipelines.report_html import render_html
 from rlpipe.schemas import MANIFEST_NAME, ArtifactError, exists, read_manifest, read_table_artifact
 from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX, sampled_lengths
@@ -32,34 +34,6 @@ from rlpipe.schemas.runs import INITIAL_EVAL_DIR, iteration_dir_name, iteration_
 
 #: The component a preset names `correct` (an answer-match verifier) is shown as accuracy.
 ACCURACY_COMPONENT = "reward__correct"
-
-#: The per-iteration summary in display order: column -> (short label, plot title). Columns a
-#: run does not produce are absent (no critic: no value_*; no reference: no kl_ref). After these
-#: come the other eval_* metrics and seconds_<stage> (wall time of each stage, from its manifest).
-COLUMNS: dict[str, tuple[str, str]] = {
-    "iteration": ("iter", "iteration"),
-    "reward_mean": ("reward", "reward (mean)"),
-    "reward_std": ("rew std", "reward (std)"),
-    "accuracy": ("acc", "train accuracy"),
-    "eval_accuracy": ("eval acc", "held-out accuracy"),
-    "response_length": ("resp len", "response length (tokens the model sampled)"),
-    "truncated_fraction": ("trunc", "truncated fraction"),
-    "turns_mean": ("turns", "model turns per episode"),
-    "tool_calls_mean": ("tools", "tool calls per episode"),
-    "eval_tool_calls_per_episode": ("eval tools", "held-out tool calls per episode"),
-    "staleness": ("stale", "policies between sampling and training (async)"),
-    "logprob_gap_mean_abs": ("lp gap", "|trainer - rollout engine| log-prob"),
-    "loss": ("loss", "loss"),
-    "kl_ref": ("kl ref", "KL to reference"),
-    "approx_kl": ("kl old", "approx KL to rollout policy"),
-    "clip_fraction": ("clip", "clip fraction"),
-    "entropy": ("entropy", "entropy"),
-    "grad_norm": ("grad", "grad norm"),
-    "value_loss": ("v loss", "value loss"),
-    "value_clip_fraction": ("v clip", "value clip fraction"),
-    "explained_variance": ("expl var", "explained variance"),
-    "optimizer_steps": ("steps", "optimizer steps"),
-}
 
 #: Optimiser metrics of the summary (means over the iteration's optimizer steps).
 OPTIMIZER_METRICS = ("loss", "kl_ref", "approx_kl", "clip_fraction", "entropy", "grad_norm",
@@ -267,8 +241,6 @@ def write_report(run_dir: Path | str, *, live: bool = False, plot: bool = True) 
     keeps the curves.png there is (a live report between re-plots: the matplotlib render costs more
     than the tables). Each file is written beside and renamed into place (when it changed), so a
     reader never sees half a file."""
-    from rlpipe.pipelines.report_html import render_html
-
     run_dir = Path(run_dir)
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -292,11 +264,6 @@ def write_report(run_dir: Path | str, *, live: bool = False, plot: bool = True) 
     page = render_html(run_dir.name, table, png, initial, samples, live=live)
     write_if_changed(out / "index.html", page.encode())
     return out
-
-
-#: How the report's numbers are defined, printed with them.
-NOTE = ("Iteration n is directory iter_{n-1:04d} (0: before training); optimiser metrics are means "
-        "over the iteration's optimizer steps; seconds_<stage>: wall time of each stage.")
 
 
 def plot_curves(table, initial: dict[str, float], title: str) -> bytes:
@@ -342,18 +309,6 @@ def curves_figure(table, initial: dict[str, float], title: str):
         axes.flat[0].text(0.5, 0.5, "no iterations yet", ha="center", va="center")
     fig.suptitle(title)
     return fig
-
-
-def format_value(value: Any) -> str:
-    """A summary cell: floats to 4 significant digits, missing as '-'."""
-    if value is None or (isinstance(value, float) and value != value):
-        return "-"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def printable(text: str) -> str:
-    """Text on one line: control and line-separator characters as escapes ('\\n', '\\x1e')."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def markdown_table(table) -> str:

@@ -9,6 +9,8 @@ import base64
 from html import escape
 from typing import Any
 
+from rlpipe.pipelines.display import COLUMNS, NOTE, format_value
+
 #: Seconds between reloads of the page of a running run.
 REFRESH_SECONDS = 15
 
@@ -29,8 +31,6 @@ def render_html(run: str, table, png: bytes, initial: dict[str, float],
                 samples: tuple[int, Any] | None, *, live: bool) -> str:
     """The page: title and status, curves, held-out before training, the table, and the sample
     completions of `samples` = (shown iteration, frame of prompt/response/reward/...)."""
-    from rlpipe.pipelines.report import COLUMNS, NOTE, format_value
-
     status = f"running: this page reloads every {REFRESH_SECONDS} s" if live else "finished"
     parts = ["<!DOCTYPE html>", "<html><head><meta charset='utf-8'>",
              f"<title>rlpipe run {escape(run)}</title>"]

@@ -24,8 +24,9 @@ from rlpipe.pipelines.keep import prune_run
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.lock import run_lock
 from rlpipe.pipelines.plan import Plan
-from rlpipe.pipelines.preset import Preset
+from rlpipe.pipelines.preset_spec import Preset
 from rlpipe.pipelines.saved_preset import preset_differences
+from rlpipe.pipelines.schedule import run_overlapped
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
@@ -130,9 +131,8 @@ class Pipeline:
         self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(setup)})")
         self._last_done = time.perf_counter()
         if self.overlaps:
-            from rlpipe.pipelines.schedule import run_overlapped
-
-            run_overlapped(self)
+            run_overlapped(p.iterations, self.plan.staleness, calls=self.plan.iteration, execute=self.execute,
+                           finish=self.finish, interrupt=self.launcher.close)
         else:
             for k in range(p.iterations):
                 seconds: dict[str, float] = {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
-from rlpipe.pipelines.preset import Preset
+from rlpipe.pipelines.preset_spec import Preset
 from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
 from rlpipe.stages import STAGES
 

@@ -4,38 +4,43 @@ reference and advantage can run while optimize k-1, ..., k-S train.
 
 Two lanes run the iterations' calls, each in order:
 
-    lane A (the driver's thread):  [wait for optimize k-1-S; finish k-1-S] rollout k, score k, ..., advantage k
-    lane B (a thread):             [wait for lane A's k] optimize k
+    driver lane (the driver's thread):  [wait for optimize k-1-S; finish k-1-S] rollout k, score k, ..., advantage k
+    optimize lane (a thread):           [wait for the driver lane's k] optimize k
 
-"finish" is everything after an iteration's optimize: its evaluation (in lane A, which runs every
-in-process stage, so no two in-process stages ever run at once), its record, the report and the
-prune. Lane B only calls optimize, which must run in processes of its own for this schedule
-(`Pipeline.overlaps`); so at most S iterations of lane A are ahead of optimize.
+"finish" is everything after an iteration's optimize: its evaluation (in the driver lane, which
+runs every in-process stage, so no two in-process stages ever run at once), its record, the report
+and the prune. The optimize lane only calls optimize, which must run in processes of its own for
+this schedule (`Pipeline.overlaps`); so at most S iterations of the driver lane are ahead of
+optimize.
 
 The schedule decides when a stage runs, never what it computes: each call's config is the plan's,
 whatever the timing, so an overlapped run and the same preset run in order give the same
-artifacts, and a killed one resumes to them.
+artifacts, and a killed one resumes to them. It runs the calls it is given with what the runner
+gives it (`Pipeline.execute`, `Pipeline.finish`, ...), never the runner itself.
 """
 
 from __future__ import annotations
 
 import contextvars
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from rlpipe.pipelines.runner import Pipeline
-    from rlpipe.stages import StageCall
+from rlpipe.schemas import Manifest
+from rlpipe.stages import StageCall
+
+#: Runs one stage call, adding its time to the iteration's seconds (`Pipeline.execute`).
+Execute = Callable[[StageCall, dict[str, float]], Manifest]
 
 #: How often a waiting lane looks for the other lane's failure (s).
 _LOOK_S = 0.1
 
 
-class _LaneB:
-    """Lane B: optimize k once lane A has handed it over; a failure is kept for lane A to raise."""
+class _OptimizeLane:
+    """The optimize lane: optimize k once the driver lane has handed it over; a failure is kept
+    for the driver lane to raise."""
 
-    def __init__(self, pipeline: Pipeline, iterations: int):
-        self.pipeline = pipeline
+    def __init__(self, execute: Execute, iterations: int):
+        self.execute = execute
         self.calls: dict[int, StageCall] = {}
         self.seconds: dict[int, dict[str, float]] = {}
         self.handed = [threading.Event() for _ in range(iterations)]
@@ -52,7 +57,7 @@ class _LaneB:
                 while not self.handed[k].wait(_LOOK_S):
                     if self.stop.is_set():
                         return
-                self.pipeline.execute(self.calls[k], self.seconds[k])
+                self.execute(self.calls[k], self.seconds[k])
                 self.trained[k].set()
         except BaseException as e:
             self.error = e
@@ -67,39 +72,50 @@ class _LaneB:
                 raise RuntimeError(f"the optimize lane stopped before iteration {k}")
 
 
-def run_overlapped(pipeline: Pipeline) -> None:
-    """Run the iterations of `pipeline` in two lanes (see the module doc)."""
-    n, S = pipeline.preset.iterations, pipeline.plan.staleness
-    lane = _LaneB(pipeline, n)
+def run_overlapped(iterations: int, staleness: int, *, calls: Callable[[int], list[StageCall]],
+                   execute: Execute, finish: Callable[[int, dict[str, float]], None],
+                   interrupt: Callable[[], None]) -> None:
+    """Run `iterations` iterations in two lanes (see the module doc).
+
+    Args:
+        staleness: S of `async: {staleness: S}`.
+        calls: iteration k's stage calls, in order (`Plan.iteration`).
+        execute: runs one call, adding its time to the seconds given (`Pipeline.execute`).
+        finish: iteration k is complete, with its seconds (`Pipeline.finish`).
+        interrupt: ends the optimize call under way, on a failure of the driver lane (stops the
+            launcher's resident groups).
+    """
+    n, S = iterations, staleness
+    lane = _OptimizeLane(execute, n)
     evaluations: dict[int, list[StageCall]] = {}
 
-    def finish(j: int) -> None:
+    def finish_iteration(j: int) -> None:
         lane.wait_trained(j)
         for call in evaluations.pop(j):
-            pipeline.execute(call, lane.seconds[j])
-        pipeline.finish(j, lane.seconds[j])
+            execute(call, lane.seconds[j])
+        finish(j, lane.seconds[j])
 
     lane.thread.start()
     try:
         for k in range(n):
             if k - 1 - S >= 0:
-                finish(k - 1 - S)  # its policy is the one rollout k samples from
-            calls = pipeline.plan.iteration(k)
+                finish_iteration(k - 1 - S)  # its policy is the one rollout k samples from
+            iteration = calls(k)
             seconds: dict[str, float] = {}
-            for call in calls:
+            for call in iteration:
                 if call.name not in ("optimize", "evaluate"):
-                    pipeline.execute(call, seconds)
-            (optimize,) = [c for c in calls if c.name == "optimize"]
-            evaluations[k] = [c for c in calls if c.name == "evaluate"]
+                    execute(call, seconds)
+            (optimize,) = [c for c in iteration if c.name == "optimize"]
+            evaluations[k] = [c for c in iteration if c.name == "evaluate"]
             lane.calls[k], lane.seconds[k] = optimize, seconds
             lane.handed[k].set()
         for j in sorted(evaluations):
-            finish(j)
+            finish_iteration(j)
     except BaseException:
         lane.stop.set()
         # Optimize may be mid-call on its resident workers (runs overlap only then, Pipeline.overlaps):
         # stopping the launcher's groups ends that call.
-        pipeline.launcher.close()
+        interrupt()
         lane.thread.join()
         raise
     lane.thread.join()

@@ -177,7 +177,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def samples_markdown(samples) -> str:
     """Sample completions as a markdown table (for TensorBoard's text plugin)."""
-    from rlpipe.pipelines.report import format_value, printable
+    from rlpipe.pipelines.display import format_value, printable
 
     def cell(v: Any) -> str:
         return printable(format_value(v)).replace("|", "\\|")

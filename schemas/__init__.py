@@ -11,16 +11,9 @@ from rlpipe.schemas.manifest import MANIFEST_NAME, InputRef, Manifest, cache_key
 from rlpipe.schemas.metrics import METRICS
 from rlpipe.schemas.preferences import PREFERENCES
 from rlpipe.schemas.prompts import PROMPTS
-from rlpipe.schemas.reading import (
-    cached_manifest,
-    exists,
-    iter_shards,
-    read_manifest,
-    read_table_artifact,
-    scan_artifact,
-    validate_artifact,
-)
+from rlpipe.schemas.reading import cached_manifest, exists, read_manifest
 from rlpipe.schemas.reference import REFERENCE
+from rlpipe.schemas.registry import SCHEMAS
 from rlpipe.schemas.rollouts import ROLLOUTS
 from rlpipe.schemas.runs import (
     INITIAL_EVAL_DIR,
@@ -33,11 +26,8 @@ from rlpipe.schemas.runs import (
 )
 from rlpipe.schemas.scores import SCORES
 from rlpipe.schemas.shards import read_shard, shard_name
+from rlpipe.schemas.tables import iter_shards, read_table_artifact, scan_artifact, validate_artifact
 from rlpipe.schemas.writer import ArtifactWriter, commit_directory, split_rows, write_table_artifact
-
-SCHEMAS: dict[str, ArtifactSchema] = {
-    s.name: s for s in (PROMPTS, PREFERENCES, ROLLOUTS, SCORES, REFERENCE, ADVANTAGES, METRICS)
-}
 
 __all__ = [
     "ADVANTAGES", "INITIAL_EVAL_DIR", "LOGPROBS", "MANIFEST_NAME", "METRICS", "PREFERENCES",

@@ -1,13 +1,16 @@
 """Atomic file writes: every file goes to a hidden, per-process temporary name in the same
 directory and is renamed into place, so a reader never sees half a file and a killed writer leaves
-nothing that looks complete. Also the SHA-256 of a file, as recorded in manifests."""
+nothing that looks complete (bytes, or a JSON object: the work orders of resident worker groups).
+Also the SHA-256 of a file, as recorded in manifests."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -37,6 +40,11 @@ def atomic_write_bytes(path: Path, data: bytes | pa.Buffer, *, fsync: bool = Fal
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write `data` as JSON (keys sorted, on one line) to `path` atomically (`atomic_write_bytes`)."""
+    atomic_write_bytes(path, json.dumps(data, sort_keys=True).encode())
 
 
 def write_if_changed(path: Path, data: bytes) -> None:

@@ -47,8 +47,8 @@ class Output:
 
     `background`: the stage may return before this output is complete (it is written in the
     background while the next stages run: optimize's train state). It is part of the stage's
-    cache hit like any output, but a launch is complete without it (`returned_outputs`); the
-    stage that reads it next waits for it in the process that writes it."""
+    cache hit like any output, but a launch is complete without it (`outputs_complete_on_return`);
+    the stage that reads it next waits for it in the process that writes it."""
 
     kind: str
     background: bool = False
@@ -176,8 +176,9 @@ class StageConfig(BaseModel):
         """The artifacts this config writes (unset optional outputs left out)."""
         return {name: getattr(self, name) for name in self.output_fields() if getattr(self, name) is not None}
 
-    def returned_outputs(self) -> dict[str, Path]:
-        """The outputs complete when the stage returns (all but the `background` ones)."""
+    def outputs_complete_on_return(self) -> dict[str, Path]:
+        """The outputs complete when the stage returns (all but the `background` ones): those a
+        launch waits to see written (their manifests) before the call counts as complete."""
         return {name: path for name, path in self.outputs().items() if not self.output_fields()[name].background}
 
     @model_validator(mode="after")

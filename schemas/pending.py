@@ -13,8 +13,12 @@ artifact by that manifest:
 - another process sees nothing until the manifest is on disk (written last, as always): a run
   killed mid-write reruns the stage that produced it.
 
-The registry is process-wide state owned by this module: `register` by the writer before the write
-starts, `settled` by the writer when it ends (written or failed); `clear` for tests.
+Process-wide state: the registry is one object per process, `PENDING` (a `PendingWrites`), owned
+by this module: the writer calls `register` before the write starts and `settled` when it ends
+(written or failed); readers call `pending_manifest` / `wait_until_written`. `PENDING.reset()`
+forgets every entry, as a fresh process has none; tests reset it with every other process-wide
+object through `rlpipe.stages.common.process_state.reset_process_state()` (this module, the lower
+layer, knows nothing of that).
 """
 
 from __future__ import annotations
@@ -25,9 +29,36 @@ from pathlib import Path
 
 from rlpipe.schemas.manifest import Manifest
 
-_LOCK = threading.Lock()
-#: resolved artifact path -> (its manifest, a callable that returns once its files are written)
-_PENDING: dict[Path, tuple[Manifest, Callable[[], None]]] = {}
+
+class PendingWrites:
+    """The artifacts this process is writing whose manifest is already decided."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.entries: dict[Path, tuple[Manifest, Callable[[], None]]] = {}
+        """Absolute artifact path -> (its manifest, a callable that returns once its files are
+        written). Guarded by the lock: the writer is a background thread."""
+
+    def register(self, path: Path | str, manifest: Manifest, wait: Callable[[], None]) -> None:
+        with self._lock:
+            self.entries[_key(path)] = (manifest, wait)
+
+    def settled(self, path: Path | str) -> None:
+        with self._lock:
+            self.entries.pop(_key(path), None)
+
+    def get(self, path: Path | str) -> tuple[Manifest, Callable[[], None]] | None:
+        with self._lock:
+            return self.entries.get(_key(path))
+
+    def reset(self) -> None:
+        """Forget every pending write (a fresh process has none)."""
+        with self._lock:
+            self.entries.clear()
+
+
+#: This process's pending writes (see the module doc).
+PENDING = PendingWrites()
 
 
 def _key(path: Path | str) -> Path:
@@ -36,31 +67,22 @@ def _key(path: Path | str) -> Path:
 
 def register(path: Path | str, manifest: Manifest, wait: Callable[[], None]) -> None:
     """`path` will hold `manifest`'s artifact once `wait()` returns."""
-    with _LOCK:
-        _PENDING[_key(path)] = (manifest, wait)
+    PENDING.register(path, manifest, wait)
 
 
 def settled(path: Path | str) -> None:
     """The write of `path` ended (its manifest is on disk, or it failed)."""
-    with _LOCK:
-        _PENDING.pop(_key(path), None)
+    PENDING.settled(path)
 
 
 def pending_manifest(path: Path | str) -> Manifest | None:
     """The manifest `path` is being written with in this process, if it is."""
-    with _LOCK:
-        entry = _PENDING.get(_key(path))
+    entry = PENDING.get(path)
     return entry[0] if entry is not None else None
 
 
 def wait_until_written(path: Path | str) -> None:
     """Return once no write of `path` is pending in this process (at once when none is)."""
-    with _LOCK:
-        entry = _PENDING.get(_key(path))
+    entry = PENDING.get(path)
     if entry is not None:
         entry[1]()
-
-
-def clear() -> None:
-    with _LOCK:
-        _PENDING.clear()

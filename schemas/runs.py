@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from rlpipe.schemas.columns import ArtifactSchema
 from rlpipe.schemas.errors import ArtifactNotFound
-from rlpipe.schemas.reading import exists, read_manifest, scan_artifact, table_schema
+from rlpipe.schemas.reading import exists, read_manifest
 from rlpipe.schemas.shards import verified_schema
+from rlpipe.schemas.tables import scan_artifact, table_schema
 
 if TYPE_CHECKING:
     import polars as pl

@@ -4,7 +4,7 @@ with the declared fields. Every read of a shard, anywhere, goes through these ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from rlpipe.schemas.columns import SCHEMA_NAME_KEY, SCHEMA_VERSION_KEY, ArtifactSchema, Column
 from rlpipe.schemas.errors import ArtifactError, IntegrityError, SchemaMismatch, SchemaVersionError
 from rlpipe.schemas.manifest import FileInfo
+from rlpipe.schemas.registry import SCHEMAS
 from rlpipe.schemas.verify import listed_entry, open_verified
 
 SHARD_PREFIX = "part-"
@@ -24,21 +25,14 @@ def shard_name(index: int) -> str:
     return f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
 
 
-def _registry() -> Mapping[str, ArtifactSchema]:
-    # Imported here: rlpipe.schemas builds SCHEMAS after importing this module.
-    from rlpipe.schemas import SCHEMAS
-
-    return SCHEMAS
-
-
 def resolve_schema(schema: ArtifactSchema | str) -> ArtifactSchema:
     """The schema itself, or the registered schema of that name; ArtifactError if unknown."""
     if isinstance(schema, ArtifactSchema):
         return schema
     try:
-        return _registry()[schema]
+        return SCHEMAS[schema]
     except KeyError:
-        raise ArtifactError(f"unknown schema {schema!r}; known: {sorted(_registry())}") from None
+        raise ArtifactError(f"unknown schema {schema!r}; known: {sorted(SCHEMAS)}") from None
 
 
 def same_type(a: pa.DataType, b: pa.DataType) -> bool:

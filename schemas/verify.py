@@ -1,7 +1,8 @@
 """Verified reads: every file an artifact lists is checked against the hash its manifest holds
 (xxh3-128, or sha256 in manifests written before: schemas/hashing.py) before it is used, so a
 shard or checkpoint changed after its manifest stops the reader with the file named, instead of
-being trained on.
+being trained on. (The manifest itself is read, and its content hash checked, by
+rlpipe.schemas.reading.)
 
 A file is opened once, and what is checked is that open file, never its path again: another
 process may swap a new version of the artifact in at any moment (a `--force` rerun exchanges the
@@ -35,7 +36,9 @@ import pyarrow as pa
 
 from rlpipe.schemas.errors import ArtifactError, IntegrityError
 from rlpipe.schemas.hashing import CHUNK, digest_bytes, new_hasher
-from rlpipe.schemas.manifest import MANIFEST_NAME, FileInfo, Manifest, content_hash
+from rlpipe.schemas.manifest import MANIFEST_NAME, FileInfo, Manifest
+from rlpipe.schemas.pending import wait_until_written
+from rlpipe.schemas.reading import read_manifest
 
 # Coarse file timestamps: ext4/xfs tick at most every 10 ms, NFS and some FUSE file systems at 1 s.
 _RACY_NS = 1_000_000_000
@@ -185,20 +188,10 @@ def open_verified(path: Path | str, info: FileInfo | None) -> Iterator[pa.Native
         yield pa.BufferReader(data)
 
 
-def check_manifest_hash(manifest: Manifest, path: Path | str) -> None:
-    """The manifest's content_hash must be the hash of its own file list."""
-    if manifest.content_hash != content_hash(manifest.files):
-        raise IntegrityError(
-            f"{Path(path) / MANIFEST_NAME}: content_hash does not match its file list (the manifest "
-            "was edited after it was written); rerun the stage that wrote it (with --force)")
-
-
 def listed_entry(path: Path | str) -> FileInfo | None:
     """The manifest entry of a shard `path` from its directory's manifest; None when the directory
     has no manifest (a stage's own staging directory, or a loose file). A complete artifact that
     does not list the file is an IntegrityError."""
-    from rlpipe.schemas.reading import read_manifest
-
     path = Path(path)
     if not (path.parent / MANIFEST_NAME).is_file():
         return None
@@ -215,9 +208,6 @@ def verify_checkpoint(path: Path | str) -> Manifest | None:
     present with its sha256, no other (non-hidden) file beside them. Returns the manifest, or None
     for a directory without one (a Hugging Face directory made outside rlpipe: nothing promised).
     """
-    from rlpipe.schemas.pending import wait_until_written
-    from rlpipe.schemas.reading import read_manifest
-
     path = Path(path)
     wait_until_written(path)  # (a checkpoint this process is writing in the background)
     if not (path / MANIFEST_NAME).is_file():

@@ -41,6 +41,9 @@ class Stage:
     retries: int = 0
     """Retries of a failed call: by Prefect (any failure but a user error) and by the local runner
     (a placed stage whose worker was lost): only stages whose failures can be transient (engines, workers)."""
+    weights: Literal["send", "receive"] | None = None
+    """Its end of the weight channel between resident groups (stages/common/weight_channel.py):
+    'send' (it trains the policy), 'receive' (it samples from the policy just trained)."""
 
     @property
     def module(self) -> str:
@@ -65,12 +68,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("reward_model", "RewardModelConfig", "Bradley-Terry reward-model training (DeepSpeed)", scaling="ranks"),
     Stage("critic_init", "CriticInitConfig", "a critic (value head) initialised from a policy"),
     # one RL iteration
-    Stage("rollout", "RolloutConfig", "sample G responses per prompt with the policy", scaling="shards", retries=1),
+    Stage("rollout", "RolloutConfig", "sample G responses per prompt with the policy", scaling="shards", retries=1,
+          weights="receive"),
     Stage("score", "ScoreConfig", "reward components and the total reward", scaling="shards", retries=1),
     Stage("reference", "ReferenceConfig", "reference log-probs and critic values", scaling="shards", retries=1),
     Stage("filter", "FilterConfig", "dynamic sampling: drop groups by a predicate (all rewards equal), keep N"),
     Stage("advantage", "AdvantageConfig", "advantage estimators (grpo, rloo, gae, ...)"),
-    Stage("optimize", "OptimizeConfig", "policy (and critic) optimisation (DeepSpeed)", scaling="ranks"),
+    Stage("optimize", "OptimizeConfig", "policy (and critic) optimisation (DeepSpeed)", scaling="ranks",
+          weights="send"),
     Stage("evaluate", "EvaluateConfig", "held-out greedy accuracy", retries=1),
 )}
 

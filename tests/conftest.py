@@ -39,6 +39,19 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def fresh_process_state():
+    """The process-wide state (cached models and slots, the live vLLM engine, warm optimize
+    engines, background saves, pending writes: `rlpipe.stages.common.process_state`) as a fresh
+    process has it, before the test and after it. The one way a test resets them all: this
+    fixture, or `reset_process_state()` itself."""
+    from rlpipe.stages.common.process_state import reset_process_state
+
+    reset_process_state()
+    yield
+    reset_process_state()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from rlpipe.stages.common.tiny import train_tokenizer

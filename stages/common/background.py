@@ -15,6 +15,12 @@ process waits first (`wait_for_background`: the optimize stage, before anything 
 pipeline at the end of a run; a resident worker before it leaves), and a failed save is raised
 there, naming the artifact. The thread is not a daemon: an interpreter that exits with a save
 pending finishes it first.
+
+Process-wide state: one object per process, `BACKGROUND` (a `BackgroundSaves`), owned by this
+module: whether background saves are allowed, the save threads not yet waited for and the failures
+not yet reported. `BACKGROUND.reset()` waits for every save in flight (reporting a failure on
+stderr) and disallows background saves again, as in a fresh process; tests reset it with every
+other process-wide object through `process_state.reset_process_state()`.
 """
 
 from __future__ import annotations
@@ -24,28 +30,46 @@ import threading
 import time
 from collections.abc import Callable
 
-_PENDING: list[threading.Thread] = []
-_FAILED: list[tuple[str, BaseException]] = []
-_ALLOWED = [False]
+
+class BackgroundSaves:
+    """This process's background saves (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.allowed = False
+        """Whether this process waits for what stages write in the background (`allow_background`)."""
+        self.pending: list[threading.Thread] = []
+        """The save threads not yet waited for, in the order they were handed over."""
+        self.failed: list[tuple[str, BaseException]] = []
+        """(artifact, error) of the saves that failed, until a `wait_for_background` reports them."""
+
+    def reset(self) -> None:
+        """Wait for every save in flight (failures reported on stderr, not raised), then allow
+        none: the state of a fresh process."""
+        wait_for_background(raise_errors=False)
+        self.allowed = False
+
+
+#: This process's background saves (see the module doc).
+BACKGROUND = BackgroundSaves()
 
 
 def allow_background(allowed: bool = True) -> None:
     """This process waits for what stages write in the background (see the module doc)."""
-    _ALLOWED[0] = allowed
+    BACKGROUND.allowed = allowed
 
 
 def background_allowed() -> bool:
-    return _ALLOWED[0]
+    return BACKGROUND.allowed
 
 
 def in_background(save: Callable[[], None], what: str) -> None:
     """Run `save` (writing the artifact `what`) in a thread, once the saves handed over before it
     are done (without waiting for them here); where background saves are not allowed, now."""
-    if not _ALLOWED[0]:
+    if not BACKGROUND.allowed:
         wait_for_background()
         save()
         return
-    before = _PENDING[-1] if _PENDING else None
+    before = BACKGROUND.pending[-1] if BACKGROUND.pending else None
 
     def target() -> None:
         if before is not None:
@@ -53,23 +77,23 @@ def in_background(save: Callable[[], None], what: str) -> None:
         try:
             save()
         except BaseException as e:  # reported by the next wait_for_background
-            _FAILED.append((what, e))
+            BACKGROUND.failed.append((what, e))
 
     thread = threading.Thread(target=target, name=f"rlpipe-save {what}")
     thread.start()
-    _PENDING.append(thread)
+    BACKGROUND.pending.append(thread)
 
 
 def wait_for_background(*, raise_errors: bool = True) -> float:
     """Wait for every pending save; returns the seconds waited. A save that failed raises here
     (or, with `raise_errors` False, is reported on stderr: an error is already on its way)."""
     started = time.perf_counter()
-    while _PENDING:
-        _PENDING.pop(0).join()
+    while BACKGROUND.pending:
+        BACKGROUND.pending.pop(0).join()
     from rlpipe.schemas.errors import ArtifactError, UserError
 
-    while _FAILED:
-        what, e = _FAILED.pop(0)
+    while BACKGROUND.failed:
+        what, e = BACKGROUND.failed.pop(0)
         if raise_errors:
             message = f"writing {what} in the background failed: {type(e).__name__}: {e}"
             raise (ArtifactError(message) if isinstance(e, UserError) else RuntimeError(message)) from e

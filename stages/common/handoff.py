@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,17 @@ def weights_in_memory() -> Iterator[dict[str, bytes]]:
 
 
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
-              manifest_fields: Mapping[str, Any]) -> tuple[Manifest, Any]:
+              manifest_fields: Mapping[str, Any], copy: bool = True,
+              send: Callable[[Path, Manifest, dict[str, bytes]], bool] | None = None) -> tuple[Manifest, Any]:
     """Save `module` + `tokenizer` as the checkpoint `out` in the background; returns its manifest
-    (decided now) and a host copy of the model for the next stage (see the module doc).
+    (decided now) and, with `copy`, a host copy of the model for the next stage in this process
+    (see the module doc).
 
     Args:
         manifest_fields: `checkpoint_manifest`'s keyword arguments (stage, config, inputs, ...).
+        send: given every file's bytes (and the manifest) before the write starts: the weight
+            channel to the resident rollout members (weight_channel.py), which reads nothing of
+            the disk. Its failure is its own to report: the file is written either way.
     """
     from rlpipe.stages.common.tiny import save_pretrained
 
@@ -104,7 +109,10 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
         manifest = checkpoint_manifest(staging, known=known, **manifest_fields)
     except BaseException as e:
         raise_staging_failure(e, staging, out)
-    copy = host_copy(module)
+    if send is not None:
+        small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
+        send(out, manifest, {**weights, **small})
+    copy = host_copy(module) if copy else None
     pending_artifacts.register(out, manifest, wait=wait_for_background)
     in_background(lambda: _write(staging, out, weights, manifest), str(out))
     return manifest, copy

@@ -15,12 +15,19 @@ being built. A resident rollout worker gets a new policy every iteration: copyin
 from safetensors costs a fraction of building the model and loading them (`bench_scale.py`).
 Never shared, because in one process the reference stage may hold the cached start policy while
 the rollout slot moves on to the next policy.
+
+Process-wide state: one object per process, `MODELS` (a `ModelMemory`), owned by this module: the
+cache, the slots, how each slot's last load went and whether stages keep the checkpoints they save
+(`keep_saved_checkpoints`). `clear_cache()` drops every model (a process that wants its memory
+back); `MODELS.reset()` also restores the default setting, as in a fresh process. Tests reset it
+with every other process-wide object through `process_state.reset_process_state()`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +35,8 @@ from typing import Any
 from rlpipe.schemas.manifest import MANIFEST_NAME
 from rlpipe.schemas.verify import verify_checkpoint
 
-_CACHE: dict[tuple[str, str], tuple[Any, Any]] = {}
+#: How many models the shared cache holds at most (the oldest goes first).
 _MAX_ENTRIES = 4
-#: slot name -> what it holds (see the module doc).
-_SLOTS: dict[str, Slot] = {}
-#: slot name -> how its caller's last load got the model ('cache' or a `Slot.how`).
-_LAST_LOAD: dict[str, str] = {}
 
 
 @dataclass
@@ -47,7 +50,34 @@ class Slot:
     tokenizer: Any
     how: str = "loaded"
     """How the last `load_model` into the slot got its weights: 'loaded' (built from the
-    checkpoint), 'in_place' (copied into the slot's model), 'held' (it held them already)."""
+    checkpoint), 'in_place' (copied into the slot's model), 'held' (it held them already),
+    'channel' (copied into the slot's model from the weight channel's delivery)."""
+
+
+class ModelMemory:
+    """The models this process keeps between loads and stages (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[str, str], tuple[Any, Any]] = {}
+        """(checkpoint content key, kind) -> (model, tokenizer): shared, read-only models, at most
+        `_MAX_ENTRIES` (the oldest dropped first)."""
+        self.slots: dict[str, Slot] = {}
+        """Slot name -> what it holds (see the module doc)."""
+        self.last_load: dict[str, str] = {}
+        """Slot name -> how its caller's last load got the model ('cache' or a `Slot.how`)."""
+        self.keep_saved = True
+        """Whether a stage keeps the checkpoints it saves in the cache, for the next stage of the
+        local runner to read from memory. A resident worker serves one stage: no later stage in its
+        process reads them, and each kept copy would hold a whole model (`keep_saved_checkpoints`)."""
+
+    def reset(self) -> None:
+        """Drop every model and slot, and keep saved checkpoints again: a fresh process."""
+        clear_cache()
+        self.keep_saved = True
+
+
+#: This process's models (see the module doc).
+MODELS = ModelMemory()
 
 
 def checkpoint_key(path: Path | str) -> str:
@@ -86,11 +116,13 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
     from rlpipe.stages.common.tiny import load_checkpoint
 
     path = Path(path)
-    if cache and pending_manifest(path) is not None and (checkpoint_key(path), kind) in _CACHE:
+    if slot is not None and (delivered := _from_channel(slot, path, kind)) is not None:
+        return delivered.model, delivered.tokenizer
+    if cache and pending_manifest(path) is not None and (checkpoint_key(path), kind) in MODELS.cache:
         # the policy optimize just handed over in memory, its files still being written (handoff.py)
         if slot is not None:
-            _LAST_LOAD[slot] = "cache"
-        return _CACHE[(checkpoint_key(path), kind)]
+            MODELS.last_load[slot] = "cache"
+        return MODELS.cache[(checkpoint_key(path), kind)]
     if not path.is_dir() and pending_manifest(path) is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
@@ -98,17 +130,17 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
         return load_checkpoint(path, kind)  # type: ignore[arg-type]
     key = (checkpoint_key(path), kind)
     if slot is not None:
-        if key in _CACHE:  # (the local runner: the checkpoint optimize just saved, from memory)
-            _LAST_LOAD[slot] = "cache"
-            return _CACHE[key]
+        if key in MODELS.cache:  # (the local runner: the checkpoint optimize just saved, from memory)
+            MODELS.last_load[slot] = "cache"
+            return MODELS.cache[key]
         held = load_into_slot(slot, path, kind, key[0])
-        _LAST_LOAD[slot] = held.how
+        MODELS.last_load[slot] = held.how
         return held.model, held.tokenizer
-    if key not in _CACHE:
-        if len(_CACHE) >= _MAX_ENTRIES:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = load_checkpoint(path, kind)  # type: ignore[arg-type]
-    return _CACHE[key]
+    if key not in MODELS.cache:
+        if len(MODELS.cache) >= _MAX_ENTRIES:
+            MODELS.cache.pop(next(iter(MODELS.cache)))
+        MODELS.cache[key] = load_checkpoint(path, kind)  # type: ignore[arg-type]
+    return MODELS.cache[key]
 
 
 def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
@@ -116,7 +148,8 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
     place (same architecture and kind), or with a newly loaded model."""
     from rlpipe.stages.common.tiny import load_checkpoint
 
-    held, arch = _SLOTS.get(slot), architecture(path)
+    slots = MODELS.slots
+    held, arch = slots.get(slot), architecture(path)
     if held is not None and held.kind == kind and held.architecture == arch:
         if held.key != key:
             copy_weights(held.model, path)
@@ -124,16 +157,35 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
         else:
             held.how = "held"
         return held
-    _SLOTS.pop(slot, None)  # the old model goes before the new one is built
+    slots.pop(slot, None)  # the old model goes before the new one is built
     model, tokenizer = load_checkpoint(path, kind)  # type: ignore[arg-type]
-    held = _SLOTS[slot] = Slot(key, arch, kind, model, tokenizer)
+    held = slots[slot] = Slot(key, arch, kind, model, tokenizer)
+    return held
+
+
+def _from_channel(slot: str, path: Path, kind: str) -> Slot | None:
+    """The slot with checkpoint `path` copied in from the weight channel's delivery of it (a
+    resident rollout member: weight_channel.py), when there is one and the slot holds a model of
+    its architecture; else None (the checkpoint is read from its files)."""
+    from rlpipe.stages.common.weight_channel import CHANNEL
+
+    delivery = CHANNEL.delivery(path)
+    held = MODELS.slots.get(slot)
+    if delivery is None or held is None or held.kind != kind:
+        return None
+    if held.architecture != architecture_of(delivery.small_files()):
+        return None
+    if held.key != delivery.manifest.content_hash:
+        copy_state(held.model, delivery.tensors(), f"{path} (from the weight channel)")
+        held.key = delivery.manifest.content_hash
+    held.how = MODELS.last_load[slot] = "channel"
     return held
 
 
 def slot_load(slot: str) -> str | None:
     """How the last `load_model(..., slot=slot)` got its model: 'cache' (the shared cache had
-    the checkpoint), 'loaded', 'in_place' or 'held' (the slot); None before any."""
-    return _LAST_LOAD.get(slot)
+    the checkpoint), 'loaded', 'in_place', 'held' or 'channel' (the slot); None before any."""
+    return MODELS.last_load.get(slot)
 
 
 #: Weight files: everything else in a checkpoint directory is part of its architecture.
@@ -147,18 +199,39 @@ def architecture(path: Path | str) -> str:
     without provenance keys): equal digests, a model (or vLLM engine) built from one checkpoint
     takes the other's weights unchanged. Conservative on purpose: a changed tokenizer, chat
     template or generation config (its EOS ids) counts as another architecture."""
+    return architecture_of({f.name: f.read_bytes() for f in Path(path).iterdir()
+                            if f.is_file() and f.name != MANIFEST_NAME and not f.name.endswith(_WEIGHT_SUFFIXES)})
+
+
+def architecture_of(files: Mapping[str, bytes]) -> str:
+    """`architecture` of a checkpoint whose top-level files (name -> bytes) are in memory."""
     h = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
-        if not f.is_file() or f.name == MANIFEST_NAME or f.name.endswith(_WEIGHT_SUFFIXES):
+    for name, data in sorted(files.items()):
+        if name == MANIFEST_NAME or name.endswith(_WEIGHT_SUFFIXES):
             continue
-        data = f.read_bytes()
-        if f.name == "config.json":
+        if name == "config.json":
             config = json.loads(data)
             for k in _CONFIG_PROVENANCE:
                 config.pop(k, None)
             data = json.dumps(config, sort_keys=True).encode()
-        h.update(f.name.encode() + b"\0" + hashlib.sha256(data).digest())
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return h.hexdigest()
+
+
+def checkpoint_tensors(path: Path | str) -> Iterator[tuple[str, Any]]:
+    """The (name, tensor) pairs of checkpoint `path`'s weights (its *.safetensors files, in file
+    name order: sharded ones too), read one tensor at a time onto the CPU as saved: what an
+    in-place load copies into a model of the checkpoint's architecture (`copy_weights`, vLLM's
+    workers). FileNotFoundError (on the first pair) when it has no safetensors weights."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights to load in place")
+    for f in files:  # one tensor at a time: a caller that streams them holds no second whole model
+        with safe_open(f, framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
 
 
 def copy_weights(model: Any, path: Path) -> None:
@@ -166,19 +239,16 @@ def copy_weights(model: Any, path: Path) -> None:
     architecture is the checkpoint's: every tensor of the model is overwritten (parameters tied
     to one saved tensor, e.g. an LM head tied to the embeddings, through that tensor), cast to
     the model's dtype as loading would."""
-    import torch
-    from safetensors.torch import load_file
+    copy_state(model, dict(checkpoint_tensors(path)), str(path))
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights to load in place")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
+
+def copy_state(model: Any, state: Mapping[str, Any], source: str) -> None:
+    """Copy the saved tensors `state` (name -> tensor, as in the checkpoint `source`) into `model`
+    (see `copy_weights`)."""
     result = model.load_state_dict(state, strict=False)
     tied = {name for name in result.missing_keys if _tied(model, name)}
     if result.unexpected_keys or set(result.missing_keys) - tied:
-        raise ValueError(f"{path}: its weights do not fit the loaded model (missing "
+        raise ValueError(f"{source}: its weights do not fit the loaded model (missing "
                          f"{sorted(set(result.missing_keys) - tied)[:5]}, unexpected {result.unexpected_keys[:5]})")
 
 
@@ -190,25 +260,21 @@ def _tied(model: Any, name: str) -> bool:
     return p is not None and any(q is p for n, q in params.items() if n != name)
 
 
-#: Whether a stage keeps the checkpoints it saves in this process's cache, for the next stage of
-#: the local runner to read from memory. A resident worker serves one stage: no later stage in its
-#: process reads them, and each kept copy would hold a whole model (`keep_saved_checkpoints`).
-_KEEP_SAVED = [True]
-
-
 def keep_saved_checkpoints(enabled: bool) -> None:
-    _KEEP_SAVED[0] = enabled
+    """Whether stages keep the checkpoints they save in this process's cache (`ModelMemory.keep_saved`)."""
+    MODELS.keep_saved = enabled
 
 
 def keeps_saved_checkpoints() -> bool:
-    return _KEEP_SAVED[0]
+    return MODELS.keep_saved
 
 
 def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
     """Record an in-memory model as the content of checkpoint `path` (just saved from it)."""
-    if len(_CACHE) >= _MAX_ENTRIES:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[(checkpoint_key(path), kind)] = (model, tokenizer)
+    cache = MODELS.cache
+    if len(cache) >= _MAX_ENTRIES:
+        cache.pop(next(iter(cache)))
+    cache[(checkpoint_key(path), kind)] = (model, tokenizer)
 
 
 #: What configs call the longest sequence their positions cover (GPT-2: n_positions / n_ctx,
@@ -232,7 +298,7 @@ def context_length(config: Any) -> int | None:
 
 
 def clear_cache() -> None:
-    """Drop every cached model and every slot."""
-    _CACHE.clear()
-    _SLOTS.clear()
-    _LAST_LOAD.clear()
+    """Drop every cached model and every slot (the `keep_saved_checkpoints` setting stays)."""
+    MODELS.cache.clear()
+    MODELS.slots.clear()
+    MODELS.last_load.clear()

@@ -28,7 +28,7 @@ from rlpipe.schemas.atomic import content_sha256
 from rlpipe.schemas.config import StageConfig
 from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.inputs import input_problem
-from rlpipe.schemas.pruning import recorded_manifest
+from rlpipe.schemas.reading import recorded_manifest
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,10 @@ class StageStart:
     """The primary output's manifest when every output already holds this work (else None)."""
     force: bool = False
     """Recompute even on a cache hit (passed on to the stages this one runs inside)."""
-    done: frozenset[str] = frozenset()
-    """Outputs (field names) that already hold this work, when not all do: a run killed after
-    writing some of them (optimize's policy, before its train state). A stage may keep them as
-    they are rather than write the same content again (nothing complete is rewritten)."""
+    outputs_written: frozenset[str] = frozenset()
+    """The outputs (field names) already written with this work's cache key, when not all are: a
+    run killed after writing some of them (optimize's policy, before its train state). A stage may
+    keep them as they are rather than write the same content again (nothing complete is rewritten)."""
     started: float = field(default_factory=time.time)
     """When the stage started (time.time()), for the manifests' wall time."""
 
@@ -96,13 +96,13 @@ def begin(stage: str, config: StageConfig, *, force: bool = False,
     decided_by = dict(key_config) if key_config is not None else config.cache_dict()
     key = cache_key(stage, decided_by, {role: ref.content_hash for role, ref in inputs.items()})
     outputs = config.outputs()
-    done = frozenset() if force else frozenset(n for n, p in outputs.items() if cached_manifest(p, key) is not None)
+    written = frozenset() if force else frozenset(n for n, p in outputs.items() if cached_manifest(p, key) is not None)
     cached = None
-    if done == set(outputs):
+    if written == set(outputs):
         cached = recorded_manifest(next(iter(outputs.values())))
     else:
         _refuse_pruned_inputs(config)
-    return StageStart(inputs, key, cached, force, done=done)
+    return StageStart(inputs, key, cached, force, outputs_written=written)
 
 
 def _refuse_pruned_inputs(config: StageConfig) -> None:

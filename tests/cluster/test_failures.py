@@ -29,7 +29,7 @@ import yaml
 
 from rlpipe.cluster.failures import StageLaunchError, StageUserError, WorkerLost
 from rlpipe.cluster.resident import ResidentGroup
-from rlpipe.cluster.workorders import GroupDir, me, process_start
+from rlpipe.cluster.workorders import GroupDir, process_start, this_process
 from rlpipe.schemas.errors import EXIT_MACHINE, MachineError
 from rlpipe.stages.common.cli import report_failure
 
@@ -93,7 +93,7 @@ class Handle:
 
 def _dead_process() -> dict:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    record = {**me(), "pid": proc.pid, "start": process_start(proc.pid)}
+    record = {**this_process(), "pid": proc.pid, "start": process_start(proc.pid)}
     proc.wait()
     return record
 
@@ -105,9 +105,9 @@ def test_a_peer_lost_mid_order_is_the_cause_of_the_failure(tmp_path):
     out = {0: tmp_path / "optimize.log", 1: tmp_path / "optimize.log"}
     resident = ResidentGroup("optimize", group, 2, Handle(), stall_timeout_s=60)
     resident.seq = 1
-    group.member_started(0, me())
+    group.member_started(0, this_process())
     group.answer(1, 0, {"exit_code": 2, "pid": os.getpid(), "seconds": 0.1})
-    group.member_started(1, me())  # alive: rank 0's own error is the cause
+    group.member_started(1, this_process())  # alive: rank 0's own error is the cause
     with pytest.raises(StageUserError):
         resident._wait(out)
     dead = _dead_process()
@@ -219,7 +219,7 @@ def test_a_new_group_waits_until_the_old_members_are_gone(tmp_path, monkeypatch)
 
     monkeypatch.setattr(module, "ABANDON_WAIT_S", 1.0)
     old = GroupDir.create(tmp_path, "task", 1, driver_timeout_s=60)
-    old.member_started(0, me())  # this process: alive, and beating below
+    old.member_started(0, this_process())  # this process: alive, and beating below
     beating = threading.Event()
     beating.set()
 
@@ -254,8 +254,8 @@ def test_a_member_lost_in_its_last_background_save_fails_the_end_of_the_run(tmp_
     """At the stop order a member finishes what it writes in the background (the run's last train
     state); killed there, it never answers: the run's end fails as the machine's failure instead of
     a success without that train state."""
-    from rlpipe.cluster.launchers import Process, ProcessGroup
     from rlpipe.cluster.placement import Launch
+    from rlpipe.cluster.process_group import Process, ProcessGroup
     from rlpipe.cluster.resident import ResidentGroups
 
     group = GroupDir.create(tmp_path, "task", 1, driver_timeout_s=60)

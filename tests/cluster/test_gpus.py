@@ -13,8 +13,8 @@ from conftest import MINI
 from typer.testing import CliRunner
 
 from rlpipe.cluster.gpus import GpuConflict, assign_gpus
-from rlpipe.cluster.launchers import ProcessLauncher, group_processes
 from rlpipe.cluster.placement import Launch
+from rlpipe.cluster.processes import ProcessLauncher, group_processes
 from rlpipe.cluster.workorders import GroupDir
 
 ITERATIONS = {"rollout", "score", "advantage", "optimize", "evaluate"}

@@ -11,8 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 from rlpipe.cluster.failures import StageLaunchError, StageUserError
-from rlpipe.cluster.launchers import LOOPBACK, ProcessLauncher, local_processes, log_dir
+from rlpipe.cluster.launch import LOOPBACK
+from rlpipe.cluster.logs import log_dir
 from rlpipe.cluster.placement import Launch, StagePlacement
+from rlpipe.cluster.processes import ProcessLauncher, local_processes
 from rlpipe.cluster.srun import srun_command
 from rlpipe.stages import StageCall
 
@@ -43,6 +45,23 @@ def _call(tmp_path: Path, name: str) -> StageCall:
              "optimize": dict(policy=tmp_path / "p", rollouts=tmp_path / "r", advantages=tmp_path / "a",
                               output=tmp_path / "o", metrics_output=tmp_path / "m", run="r")}[name]
     return StageCall(name, stage_config(name, {}, **paths), cfgs)
+
+
+def test_every_launcher_name_resolves_to_a_placed_launcher():
+    """The registry names its launchers by 'module:class' strings (the prefect one lives in
+    rlpipe.flows, above cluster): each name a preset may give resolves, `local` to this process."""
+    from typing import get_args
+
+    from rlpipe.cluster.inprocess import run_in_process
+    from rlpipe.cluster.launchers import LAUNCHERS, launcher_for
+    from rlpipe.cluster.placed import PlacedLauncher
+    from rlpipe.cluster.placement import LauncherName
+    from rlpipe.stages.common.cli import import_ref
+
+    assert set(LAUNCHERS) == set(get_args(LauncherName)) - {"local"}
+    assert all(issubclass(import_ref(ref), PlacedLauncher) for ref in LAUNCHERS.values())
+    assert launcher_for(Launch()) is run_in_process
+    assert type(launcher_for(Launch(launcher="prefect"))).__name__ == "PrefectPoolLauncher"
 
 
 def test_process_and_srun_command_lines(tmp_path):

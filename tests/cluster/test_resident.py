@@ -16,6 +16,8 @@ starts once for the run and takes every iteration's call as a work order.
 
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import signal
@@ -83,6 +85,14 @@ def test_resident_groups_reproduce_the_in_process_run_and_start_once(tmp_path, l
     pipeline = Pipeline(preset, run_dir, log=lambda s: None)
     pipeline.run()
     assert_like_in_process(run_dir)
+    # from iteration 1 on the 2 rollout members took the policy over the weight channel (the files,
+    # checked against their hashes, copied in place): rollouts as the in-process run's, bit for bit
+    loads = [json.loads((run_dir / f"iter_{k:04d}" / "rollouts" / "_manifest.json").read_text())["extra"]["timing"]
+             ["model_load"] for k in range(3)]
+    assert loads == ["loaded", "channel", "channel"]
+    sent = [line for k in range(3) for line in (run_dir / "logs" / f"iter_{k:04d}" / "optimize.log").read_text().splitlines()
+            if line.startswith("[rlpipe weight channel]")]
+    assert len(sent) == 3 and all(" to 2 member(s) in " in line for line in sent), sent
     assert pipeline.launcher.groups.started == {"rollout": 1, "reference": 1, "optimize": 1}
     for stage, members in (("rollout", 2), ("reference", 2), ("optimize", 2)):
         pids = order_pids(run_dir, stage)

@@ -13,9 +13,9 @@ from rlpipe.cluster.workorders import (
     DriverWatch,
     GroupDir,
     live_members,
-    me,
     process_start,
     still_running,
+    this_process,
 )
 
 
@@ -31,7 +31,7 @@ def _as_driver(group: GroupDir, process: dict, timeout: float = 60.0) -> None:
 def test_orders_and_answers_round_trip(tmp_path):
     group = GroupDir.create(tmp_path, "rollout", 2, driver_timeout_s=60)
     assert group.path.parent == tmp_path / "workers" and group.path.name.startswith("rollout-")
-    assert group.info["members"] == 2 and group.info["driver"] == me()
+    assert group.info["members"] == 2 and group.info["driver"] == this_process()
     group.send(1, {"config_file": "/x.yaml", "force": False})
     assert json.loads(group.order_file(1).read_text())["config_file"] == "/x.yaml"
     group.answer(1, 1, {"exit_code": 0})
@@ -42,7 +42,7 @@ def test_orders_and_answers_round_trip(tmp_path):
 def test_a_member_sees_its_driver_die_on_the_same_host(tmp_path):
     driver = _sleeper()
     try:
-        record = {**me(), "pid": driver.pid, "start": process_start(driver.pid)}
+        record = {**this_process(), "pid": driver.pid, "start": process_start(driver.pid)}
         group = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=60)
         _as_driver(group, record)
         watch = DriverWatch(group)
@@ -57,7 +57,7 @@ def test_a_member_sees_its_driver_die_on_the_same_host(tmp_path):
 
 def test_a_member_on_another_host_follows_the_heartbeat(tmp_path):
     group = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=0.3)
-    _as_driver(group, {**me(), "host": "elsewhere"}, timeout=0.3)
+    _as_driver(group, {**this_process(), "host": "elsewhere"}, timeout=0.3)
     watch = DriverWatch(group)
     assert not watch.same_host
     for count in range(1, 6):  # a beating driver stays alive however long it lives
@@ -65,7 +65,7 @@ def test_a_member_on_another_host_follows_the_heartbeat(tmp_path):
         time.sleep(0.1)
         assert watch.gone() is None
     time.sleep(0.4)  # it stopped beating
-    assert watch.gone() == f"the driver (pid {me()['pid']} on elsewhere) sent no heartbeat for 0 s"
+    assert watch.gone() == f"the driver (pid {this_process()['pid']} on elsewhere) sent no heartbeat for 0 s"
 
 
 def test_an_abandoned_group_is_gone_for_its_members(tmp_path):
@@ -82,12 +82,12 @@ def test_a_later_driver_clears_a_killed_drivers_groups(tmp_path):
     dead.wait()
     left = GroupDir.create(tmp_path, "rollout", 2, driver_timeout_s=60)
     for m in (0, 1):
-        left.member_started(m, me())
+        left.member_started(m, this_process())
     left.member_exited(0)
-    left.member_started(1, {**me(), "pid": dead.pid, "start": "1"})
+    left.member_started(1, {**this_process(), "pid": dead.pid, "start": "1"})
     assert live_members(left, 10.0, {}) == []
     alive = GroupDir.create(tmp_path, "optimize", 1, driver_timeout_s=60)
-    alive.member_started(0, me())  # this very process: alive
+    alive.member_started(0, this_process())  # this very process: alive
     assert live_members(alive, 10.0, {}) == [0]
     alive.member_exited(0)
     started = time.monotonic()

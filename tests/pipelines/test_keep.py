@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import KEEP_EVERYTHING, MINI
 
-from rlpipe.pipelines.keep import TABLES, Keep, doomed
+from rlpipe.pipelines.keep import TABLES, Keep, deletions
 from rlpipe.schemas.pruning import PRUNED_NAME
 
 #: MINI, 6 iterations evaluated every 2 (iterations 1, 3, 5), each saving its train state, with the
@@ -217,7 +217,7 @@ def test_prune_dry_run_deletes_nothing_then_prunes_and_a_stage_needing_a_pruned_
     assert sorted(line.split()[1] for line in wet.output.splitlines() if line.startswith("pruned")) == listed
     freed = float(wet.output.split("freed ")[1].split(" MB")[0])
     assert freed > 0 and _complete(run_dir, "train_state") == [6, 7] and _complete(run_dir, "policy") == [7]
-    assert doomed(run_dir, Keep(train_states=2, checkpoints_every=0, best=None)) == []  # nothing more to do
+    assert deletions(run_dir, Keep(train_states=2, checkpoints_every=0, best=None)) == []  # nothing more to do
 
     # rerunning iteration 3's optimize needs iteration 2's policy, which is gone: one error naming it
     from rlpipe.stages.common.cli import stage_main

@@ -22,12 +22,11 @@ FIELDS = dict(stage="optimize", config={"lr": 1.0}, cache_key="k")
 
 
 @pytest.fixture
-def in_background():
+def in_background(fresh_process_state):
+    """Background saves allowed; afterwards waited for, disallowed and no write pending (the
+    process-wide state reset)."""
     background.allow_background()
     yield
-    background.wait_for_background(raise_errors=False)
-    background.allow_background(False)
-    pending.clear()
 
 
 def _files(path):

@@ -8,8 +8,8 @@ import pytest
 
 from rlpipe.stages.common.distributed import DistInfo
 from rlpipe.stages.optimize.data import load_batch
-from rlpipe.stages.optimize.run import prepare
 from rlpipe.stages.optimize.run import run as optimize
+from rlpipe.stages.optimize.training import prepare
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0)
 

@@ -35,10 +35,10 @@ def test_a_new_policy_is_copied_into_the_running_model(two_policies, prompts_dir
     models.clear_cache()
     on_a = _rollout(two_policies["a"], prompts_dir, tmp_path / "a")
     assert read_manifest(tmp_path / "a").extra["timing"]["model_load"] == "loaded"
-    model = models._SLOTS["rollout"].model
+    model = models.MODELS.slots["rollout"].model
     in_place = _rollout(two_policies["b"], prompts_dir, tmp_path / "b")
     assert read_manifest(tmp_path / "b").extra["timing"]["model_load"] == "in_place"
-    assert models._SLOTS["rollout"].model is model  # no model built for b
+    assert models.MODELS.slots["rollout"].model is model  # no model built for b
     models.clear_cache()
     fresh = _rollout(two_policies["b"], prompts_dir, tmp_path / "b_fresh")
     assert read_manifest(tmp_path / "b_fresh").extra["timing"]["model_load"] == "loaded"

@@ -22,11 +22,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.fixture(autouse=True)
-def _fresh_models():
+def _fresh_models(fresh_process_state):
     """Models cached or slotted on the GPU must not leak into CPU checks (or other tests)."""
-    models.clear_cache()
-    yield
-    models.clear_cache()
 
 
 def _config(policy, prompts, out, **kw) -> RolloutConfig:
@@ -37,7 +34,7 @@ def test_sampling_on_cuda_passes_every_rollout_check(tiny_policy_dir, prompts_di
     cfg = _config(tiny_policy_dir, prompts_dir, tmp_path / "r", batch_size=5, groups_per_shard=5, group_size=6,
                   max_new_tokens=24, temperature=1.0, stop=("5", "Q"), stop_token_ids=(40, 41))
     run(cfg)
-    assert models._SLOTS["rollout"].model.device.type == "cuda"
+    assert models.MODELS.slots["rollout"].model.device.type == "cuda"
     models.clear_cache()  # the check's teacher-forced pass runs on CPU
     counts = rollout_check(cfg.output, tiny_policy_dir, group_size=6, max_new_tokens=24, stop=cfg.stop,
                            stop_token_ids=cfg.stop_token_ids)
@@ -64,10 +61,10 @@ def test_in_place_load_on_cuda_equals_a_fresh_engine(tiny_tokenizer, prompts_dir
                             tmp_path / name) for name, s in (("a", 0), ("b", 1)))
     knobs = dict(group_size=4, max_new_tokens=10, temperature=1.0, seed=3)
     run(_config(a, prompts_dir, tmp_path / "on_a", **knobs))
-    model = models._SLOTS["rollout"].model
+    model = models.MODELS.slots["rollout"].model
     run(_config(b, prompts_dir, tmp_path / "in_place", **knobs))
     assert read_manifest(tmp_path / "in_place").extra["timing"]["model_load"] == "in_place"
-    assert models._SLOTS["rollout"].model is model and model.device.type == "cuda"
+    assert models.MODELS.slots["rollout"].model is model and model.device.type == "cuda"
     models.clear_cache()
     run(_config(b, prompts_dir, tmp_path / "fresh", **knobs))
     assert read_manifest(tmp_path / "fresh").extra["timing"]["model_load"] == "loaded"

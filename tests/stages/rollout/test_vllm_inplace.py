@@ -63,7 +63,7 @@ if __name__ == "__main__":
                   for name, spec in (("sampled", sampled), ("greedy", greedy))}
         steps.append({"checkpoint": step, "model_load": engine.model_load, "start_s": engine.start_s,
                       "weights_load_s": engine.weights_load_s, **groups})
-    Path(job["out"]).write_text(json.dumps({"steps": steps, "counts": vllm_engine.COUNTS}))
+    Path(job["out"]).write_text(json.dumps({"steps": steps, "counts": vllm_engine.LIVE.counts}))
 """
 
 

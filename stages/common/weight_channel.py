@@ -1,0 +1,431 @@
+"""The new policy sent from the optimize group to the rollout members over torch.distributed.
+
+With resident worker groups (`launch.resident`) optimize and rollout are separate processes, and
+the policy optimize k trains is what rollout k+1 samples from. Through the file system that is a
+write, an fsync, a read and a hash on the critical path of every iteration (a 1B bf16 policy: 2 GB
+each way). Here the optimize member sends the checkpoint's files straight from memory to every
+rollout member, while it writes the same bytes to disk in the background as the record:
+
+    optimize rank 0 --(header: policy path, manifest; then each file in buckets)--> rollout members
+
+- The channel is a process group made for it, apart from the optimize job's own (gloo, over TCP,
+  from host memory; NCCL between GPU members is not built yet). Optimize's rank 0 hosts its rendezvous (a TCPStore on a free
+  port) and writes the address to `<workers>/weight-channel.json`; each rollout member joins from a
+  receiving thread. A channel that breaks (a member killed, a timeout) is abandoned; the sender
+  opens a new generation (a new address) at its next send and the members that are alive join it.
+- What is sent are the checkpoint's files themselves (the safetensors bytes `save_pretrained`
+  writes, serialised in memory by handoff.py), so the receiver checks every file's size and hash
+  against the manifest it was sent: the copy it loads is the checkpoint, bit for bit.
+- The receiver registers the delivered manifest as pending (schemas/pending.py): the rollout
+  names the policy's content hash as its input, as if it had read the file; a reader of the files
+  waits for them on disk. A member that cannot take the policy from the channel (none received
+  for it, the channel down, a size or hash mismatch) reads the file and says so in one log line.
+- The checkpoint's manifest is still written last by optimize: a run killed before it reruns
+  optimize, which makes the same bytes, so every later artifact is a cache hit or recomputed
+  identically.
+
+Process state: one `WeightChannel` per process (`CHANNEL`), set up by the resident worker from its
+group's record (cluster/worker.py) and reset by `CHANNEL.reset()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlpipe.schemas.atomic import atomic_write_bytes
+from rlpipe.schemas.errors import ArtifactNotFound
+from rlpipe.schemas.hashing import digest_bytes
+from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger(__name__)
+
+#: The channel's address, in the run's workers/ folder: written by the sender, read by members.
+ADDRESS_FILE = "weight-channel.json"
+#: Bytes per broadcast: large enough that a call's fixed cost is noise, small enough that a
+#: receiver's buffer and the sender's view of it never double a large model's memory.
+BUCKET_BYTES = 64 << 20
+#: Seconds the sender waits for every member to join a new generation, and a member for the
+#: sender; a collective that makes no progress for as long fails (and the file is read).
+CONNECT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Address:
+    """One generation of the channel: where its rendezvous listens and how many join it."""
+
+    generation: int
+    host: str
+    port: int
+    receivers: int
+    backend: str
+    group: str
+    """The receiving group (its folder's name): a group the driver starts anew gets a generation
+    of its own, and its members join no generation made for the one before."""
+
+    def write(self, folder: Path) -> None:
+        atomic_write_bytes(folder / ADDRESS_FILE, json.dumps(self.__dict__).encode())
+
+    @classmethod
+    def read(cls, folder: Path) -> Address | None:
+        try:
+            return cls(**json.loads((folder / ADDRESS_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+@dataclass
+class Delivery:
+    """A checkpoint received in full: its manifest and each file's bytes (a uint8 tensor)."""
+
+    policy: Path
+    manifest: Manifest
+    files: dict[str, torch.Tensor]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of its *.safetensors files, as views of the received bytes (no copy)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, data in sorted(self.files.items()):
+            if name.endswith(".safetensors"):
+                out.update(safetensors_views(data))
+        return out
+
+    def small_files(self) -> dict[str, bytes]:
+        """Every file but the weights (config, generation config, tokenizer), as bytes."""
+        return {name: data.numpy().tobytes() for name, data in self.files.items()
+                if not name.endswith(".safetensors")}
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in memory as a uint8 tensor, as views of it.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON header
+    (name -> dtype, shape, [begin, end) in the data that follows), then the data."""
+    raw = data.numpy()
+    n = int.from_bytes(raw[:8].tobytes(), "little")
+    header = json.loads(raw[8:8 + n].tobytes())
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = _DTYPES[info["dtype"]]
+        out[name] = data[base + begin:base + end].view(dtype).view(info["shape"])
+    return out
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    group.broadcast([tensor], opts).wait()
+
+
+def _broadcast_buckets(group: Any, data: torch.Tensor, bucket: int) -> None:
+    for begin in range(0, data.numel(), bucket):
+        _broadcast(group, data[begin:begin + bucket])
+
+
+def _new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    # gloo only, for now: the buckets are host memory (the bytes written to disk as well). NCCL
+    # between GPU members, the buckets going device to device, is the next step.
+    if backend != "gloo":
+        raise ValueError(f"weight channel backend {backend!r}: only 'gloo' is built")
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout=timedelta(seconds=timeout_s))
+
+
+def this_host() -> str:
+    """An address of this machine the members can reach: the launch's MASTER_ADDR when this is its
+    host (a multi-rank job's rank 0), else this host's name resolved."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Sender:
+    """Optimize rank 0's end: hosts each generation's rendezvous and broadcasts checkpoints."""
+
+    def __init__(self, folder: Path, receivers: int, *, backend: str = "gloo", timeout_s: float = CONNECT_TIMEOUT_S,
+                 host: str | None = None, bucket_bytes: int = BUCKET_BYTES):
+        self.folder, self.receivers, self.backend = Path(folder), receivers, backend
+        self.timeout_s, self.host, self.bucket_bytes = timeout_s, host, bucket_bytes
+        self.group: Any = None
+        self.store: Any = None
+        self.receiving_group = ""  # the receiving group this generation was made for
+        self.sent = 0  # hand-offs sent in this generation
+        previous = Address.read(self.folder)
+        self.generation = previous.generation if previous is not None else 0
+
+    def _open(self, receiving_group: str) -> None:
+        """A new generation: a rendezvous on a free port, its address published, every member joined."""
+        self.close()
+        self.generation, self.sent, self.receiving_group = self.generation + 1, 0, receiving_group
+        host = self.host or this_host()
+        self.store = torch.distributed.TCPStore(host, 0, self.receivers + 1, is_master=True,
+                                                timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        Address(self.generation, host, self.store.port, self.receivers, self.backend, receiving_group).write(self.folder)
+        prefixed = torch.distributed.PrefixStore(f"weights/{self.generation}", self.store)
+        self.group = _new_group(self.backend, prefixed, 0, self.receivers + 1, self.timeout_s)
+
+    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, bytes], receiving_group: str) -> bool:
+        """Broadcast checkpoint `policy` (its manifest and every file's bytes) to every member of
+        `receiving_group`; False (and one log line) when the channel fails: the members then read
+        the file."""
+        started = time.perf_counter()
+        try:
+            if self.group is None or receiving_group != self.receiving_group:
+                self._open(receiving_group)
+            header = json.dumps({"policy": str(Path(policy).absolute()), "manifest": manifest.model_dump_json(),
+                                 "files": [[name, len(data)] for name, data in files.items()],
+                                 "bucket": self.bucket_bytes})
+            self.sent += 1
+            # the header through the rendezvous store: a member polls for it between hand-offs (a
+            # collective would time out while training runs), then takes part in the buckets' broadcasts
+            self.store.set(f"weights/{self.generation}/header/{self.sent}", header)
+            with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
+                warnings.simplefilter("ignore", UserWarning)
+                for data in files.values():
+                    if len(data):
+                        _broadcast_buckets(self.group, torch.frombuffer(data, dtype=torch.uint8), self.bucket_bytes)
+        except Exception as e:  # a member gone, a timeout: this generation is over
+            log.warning("weight channel: sending %s failed (%s: %s); the rollout members read its file",
+                        policy, type(e).__name__, e)
+            print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}); "
+                  "the rollout members read its file", flush=True)
+            self.close()
+            return False
+        size = sum(len(d) for d in files.values())
+        print(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
+              f"member(s) in {time.perf_counter() - started:.2f} s", flush=True)
+        return True
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 (a broken group may refuse; it is dropped anyway)
+                pass
+        self.group = self.store = None
+
+
+class Receiver:
+    """A rollout member's end: a thread joining each generation and keeping what it receives."""
+
+    def __init__(self, folder: Path, group: str, member: int, *, timeout_s: float = CONNECT_TIMEOUT_S):
+        self.folder, self.group, self.member, self.timeout_s = Path(folder), group, member, timeout_s
+        self._lock = threading.Condition()
+        self._deliveries: dict[Path, Delivery] = {}
+        self._receiving: Path | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="rlpipe-weight-channel", daemon=True)
+
+    def start(self) -> Receiver:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        joined = 0
+        while not self._stop:
+            address = Address.read(self.folder)
+            if address is None or address.generation <= joined or address.group != self.group:
+                time.sleep(0.05)
+                continue
+            joined = address.generation
+            try:
+                store = torch.distributed.TCPStore(address.host, address.port, address.receivers + 1,
+                                                   is_master=False, timeout=timedelta(seconds=self.timeout_s))
+                group = _new_group(address.backend, torch.distributed.PrefixStore(f"weights/{joined}", store),
+                                   self.member + 1, address.receivers + 1, self.timeout_s)
+            except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
+                print(f"[rlpipe weight channel] member {self.member} could not join generation {joined} "
+                      f"({type(e).__name__}); it reads the policy files until the next", flush=True)
+                continue
+            try:
+                received = 0
+                while not self._stop:
+                    header = _poll(store, f"weights/{joined}/header/{received + 1}", lambda: self._stop)
+                    if header is None:
+                        break
+                    received += 1
+                    self._receive(group, json.loads(header))
+            except Exception as e:  # noqa: BLE001 (the sender gone, a timeout between sends: wait for a new generation)
+                with self._lock:
+                    self._receiving = None
+                    self._lock.notify_all()
+                print(f"[rlpipe weight channel] member {self.member}: generation {joined} ended "
+                      f"({type(e).__name__}); waiting for the next", flush=True)
+
+    def _receive(self, group: Any, header: dict[str, Any]) -> None:
+        policy = Path(header["policy"])
+        with self._lock:
+            self._receiving = policy
+        files = {}
+        for name, size in header["files"]:
+            files[name] = data = torch.empty(size, dtype=torch.uint8)
+            if size:
+                _broadcast_buckets(group, data, header["bucket"])
+        manifest = Manifest.model_validate_json(header["manifest"])
+        problem = _check(manifest, files)
+        with self._lock:
+            self._receiving = None
+            if problem is None:
+                # only the newest policy is kept: a rollout samples from the latest it was sent
+                self._deliveries = {policy: Delivery(policy, manifest, files)}
+            else:
+                print(f"[rlpipe weight channel] member {self.member}: {policy} arrived {problem}; "
+                      "the file is read instead", flush=True)
+            self._lock.notify_all()
+
+    def take(self, policy: Path | str, timeout_s: float) -> Delivery | None:
+        """The delivery of checkpoint `policy`: at once when received, after waiting while it is
+        being received, else (none in flight for it, or `timeout_s` passed) None."""
+        policy = Path(policy).absolute()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while policy not in self._deliveries and time.monotonic() < deadline:
+                if self._receiving is not None and self._receiving != policy:
+                    break
+                if self._receiving is None and (policy / MANIFEST_NAME).is_file():
+                    break  # (its file is complete and nothing is on its way: read the file)
+                self._lock.wait(0.05)
+            return self._deliveries.get(policy)
+
+
+def _poll(store: Any, key: str, stopped: Any) -> str | None:
+    """The value of `key` once the sender sets it (None if the receiver stops first); raises when
+    the store is gone (the sender's process ended: a new generation will come)."""
+    while not stopped():
+        if store.check([key]):
+            return store.get(key).decode()
+        time.sleep(0.02)
+    return None
+
+
+def _check(manifest: Manifest, files: Mapping[str, torch.Tensor]) -> str | None:
+    """None when every file matches the manifest's size and hash, else what does not."""
+    infos = {f.name: f for f in manifest.files}
+    for name, data in files.items():
+        info = infos.get(name)
+        if info is None:
+            return f"with a file its manifest does not list ({name})"
+        if info.bytes != data.numel():
+            return f"with {name} of {data.numel()} bytes, not {info.bytes}"
+        if digest_bytes(memoryview(data.numpy()), info.algorithm) != info.digest:
+            return f"with {name} not matching its hash"
+    missing = set(infos) - set(files)
+    return f"without {sorted(missing)[0]}" if missing else None
+
+
+def wait_for_file(policy: Path | str, *, poll_s: float = 0.05, alive: Any = None) -> None:
+    """Return once checkpoint `policy`'s manifest is on disk (written last by its writer, in
+    another process); `alive()`, when given, is asked at each look and False ends the wait with
+    an error (the writer gone before its file was complete: a rerun makes it again)."""
+    manifest = Path(policy) / MANIFEST_NAME
+    while not manifest.is_file():
+        if alive is not None and not alive():
+            raise ArtifactNotFound(f"{policy}: its writer ended before the checkpoint was complete; "
+                                   "rerun the run to make it again (the same bytes: nothing is lost)")
+        time.sleep(poll_s)
+
+
+class WeightChannel:
+    """This process's end of the channel, if it has one (process-wide state: see the module doc).
+
+    A resident optimize member (rank 0) holds a `Sender` and, during an order that sends, the
+    receiving group it sends to; a resident rollout member holds a `Receiver` and the deliveries
+    its current order takes from it."""
+
+    def __init__(self) -> None:
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self.sending_to: tuple[int, str] | None = None
+        """(members, group folder name) of the receiving group, during an order that sends."""
+        self.taken: dict[Path, Delivery] = {}
+        """The deliveries the current order takes its checkpoints from (path -> delivery)."""
+
+    def receive(self, folder: Path, group: str, member: int) -> None:
+        """Start receiving (a rollout member, at its start)."""
+        self.receiver = Receiver(folder, group, member).start()
+
+    def order_sends_to(self, folder: Path | None, receivers: tuple[int, str] | None, rank: int) -> None:
+        """The order about to run sends its new policy to `receivers` (members, group name), whose
+        channel address is kept in `folder` (None: it sends nothing). Every rank of the sending
+        job knows it (they take the same path through the save); rank 0 sends."""
+        self.sending_to = receivers
+        if rank == 0 and receivers is not None and folder is not None and (
+                self.sender is None or self.sender.receivers != receivers[0]):
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = Sender(folder, receivers[0])
+
+    def sends(self) -> bool:
+        """Whether the current order's new policy goes over the channel (on every rank)."""
+        return self.sending_to is not None
+
+    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, bytes]) -> bool:
+        assert self.sender is not None and self.sending_to is not None
+        return self.sender.send(policy, manifest, files, self.sending_to[1])
+
+    def take(self, checkpoints: list[Path], *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Before an order: each of `checkpoints` (the order's checkpoint inputs) that was sent
+        over the channel is taken from memory: registered as pending (its manifest known, its
+        files waited for by whoever reads them) and kept for `delivery`. One that was sent but is
+        not here (the channel broke) is read from its file: one log line says so."""
+        from rlpipe.schemas.pending import register
+
+        self.taken = {}
+        if self.receiver is None:
+            return
+        for path in checkpoints:
+            path = Path(path).absolute()
+            delivery = self.receiver.take(path, timeout_s)
+            if delivery is not None:
+                self.taken[path] = delivery
+                register(path, delivery.manifest, wait=lambda p=path: wait_for_file(p))
+            elif _sent_by_optimize(path):
+                print(f"[rlpipe weight channel] {path} did not come over the weight channel: reading "
+                      "its file", flush=True)
+
+    def delivery(self, path: Path | str) -> Delivery | None:
+        return self.taken.get(Path(path).absolute())
+
+    def reset(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.stop()
+        self.sender = self.receiver = self.sending_to = None
+        self.taken = {}
+
+
+def _sent_by_optimize(path: Path) -> bool:
+    """Whether checkpoint `path` is a policy optimize wrote (one a channel would have sent)."""
+    try:
+        return json.loads((path / MANIFEST_NAME).read_text()).get("stage") == "optimize"
+    except (OSError, ValueError):
+        return True  # (not on disk yet: it can only be on its way)
+
+
+CHANNEL = WeightChannel()

@@ -1,0 +1,148 @@
+"""The weight channel (stages/common/weight_channel.py) between real processes over gloo: what a
+member receives is the checkpoint bit for bit, a corrupted file is refused, and a member killed
+mid-receive breaks only that generation: the sender says so in one line and the next send opens a
+new one for the group the driver starts in its place."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from rlpipe.schemas.hashing import digest_bytes
+from rlpipe.schemas.manifest import FileInfo, Manifest, content_hash
+from rlpipe.stages.common import weight_channel
+from rlpipe.stages.common.weight_channel import Address, Delivery, Sender, safetensors_views
+
+# Small buckets, so each file goes in several broadcasts (the header tells the members the size).
+BUCKET = 64 << 10
+TIMEOUT_S = 60.0
+
+
+def checkpoint(seed: int, rows: int = 300) -> tuple[dict[str, torch.Tensor], dict[str, bytes], Manifest]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"embed.weight": torch.randn(rows, 64, generator=g), "norm.weight": torch.randn(64, generator=g).bfloat16(),
+               "steps": torch.arange(7, dtype=torch.int64)}
+    files = {"model.safetensors": save(tensors), "config.json": b'{"model_type": "llama"}'}
+    infos = sorted((FileInfo.of(n, len(d), digest_bytes(d)) for n, d in files.items()), key=lambda f: f.name)
+    return tensors, files, Manifest(kind="checkpoint", files=infos, content_hash=content_hash(infos), stage="optimize")
+
+
+def raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """A tensor as plain data (dtype, shape, bytes): what crosses the test's result queue."""
+    return str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _member(folder: str, group: str, member: int, policies: list[str], results,
+            die_after_buckets: int | None = None) -> None:
+    """A rollout member's receiving end in its own process: puts (member, policy, tensors) for each
+    policy it is asked for (None when it got none)."""
+    if die_after_buckets is not None:  # a member killed mid-receive: gone after n buckets
+        seen = [0]
+        real = weight_channel._broadcast
+
+        def dying(group, tensor):
+            real(group, tensor)
+            seen[0] += 1
+            if seen[0] >= die_after_buckets:
+                os._exit(9)
+        weight_channel._broadcast = dying
+    receiver = weight_channel.Receiver(Path(folder), group, member, timeout_s=TIMEOUT_S).start()
+    for policy in policies:
+        delivery = receiver.take(Path(folder) / policy, timeout_s=TIMEOUT_S)
+        results.put((member, policy, None if delivery is None else
+                     ({k: raw(v) for k, v in delivery.tensors().items()}, delivery.small_files(),
+                      delivery.manifest.content_hash)))
+
+
+def _start(ctx, folder: Path, group: str, member: int, policies: list[str], results, **kw):
+    p = ctx.Process(target=_member, args=(str(folder), group, member, policies, results), kwargs=kw)
+    p.start()
+    return p
+
+
+def test_safetensors_views_are_the_tensors_saved():
+    tensors, files, _ = checkpoint(0)
+    views = safetensors_views(torch.frombuffer(bytearray(files["model.safetensors"]), dtype=torch.uint8))
+    assert views.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert views[name].dtype == t.dtype and torch.equal(views[name], t)
+
+
+@pytest.mark.slow  # (three processes importing torch)
+def test_members_receive_each_checkpoint_bit_for_bit(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    members = [_start(ctx, tmp_path, "rollout-a", m, ["policy_1", "policy_2"], results) for m in range(2)]
+    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET)
+    sent = {}
+    for k in (1, 2):
+        tensors, files, manifest = checkpoint(k)
+        assert sender.send(tmp_path / f"policy_{k}", manifest, files, "rollout-a")
+        sent[f"policy_{k}"] = (tensors, manifest.content_hash)
+        got = sorted(results.get(timeout=TIMEOUT_S) for _ in range(2))
+        for member, (m, policy, delivery) in enumerate(got):
+            assert (m, policy) == (member, f"policy_{k}")
+            tensors_got, small, hash_got = delivery
+            assert hash_got == sent[policy][1]
+            assert small == {"config.json": b'{"model_type": "llama"}'}
+            assert tensors_got == {name: raw(t) for name, t in sent[policy][0].items()}
+    assert Address.read(tmp_path).generation == 1  # one generation served both
+    sender.close()
+    for p in members:
+        p.join(TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_a_member_killed_mid_receive_breaks_one_generation(tmp_path, capfd):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    dying = _start(ctx, tmp_path, "rollout-a", 1, ["policy_1"], results, die_after_buckets=1)
+    alive = _start(ctx, tmp_path, "rollout-a", 0, ["policy_1"], results)
+    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET)
+    # 16 MB: far more than the sockets' buffers take in, so the sender sees the member gone
+    _, files, manifest = checkpoint(1, rows=64 << 10)
+    assert not sender.send(tmp_path / "policy_1", manifest, files, "rollout-a")
+    dying.join(TIMEOUT_S)
+    assert dying.exitcode == 9
+    # the file is written as the record (here: its manifest appears); the survivor, whose receive
+    # broke, uses nothing half-received and reads that file
+    (tmp_path / "policy_1").mkdir()
+    (tmp_path / "policy_1" / "_manifest.json").write_text(manifest.model_dump_json())
+    assert results.get(timeout=TIMEOUT_S) == (0, "policy_1", None)
+    out = capfd.readouterr().out
+    assert out.count("sending") == 1 and "the rollout members read its file" in out
+    # the driver starts the group anew (a group folder of its own): its members join a new generation
+    new_group = [_start(ctx, tmp_path, "rollout-b", m, ["policy_2"], results) for m in range(2)]
+    tensors, files, manifest = checkpoint(2)
+    assert sender.send(tmp_path / "policy_2", manifest, files, "rollout-b")
+    assert Address.read(tmp_path).generation == 2
+    for _ in range(2):
+        _, policy, (got, _, hash_got) = results.get(timeout=TIMEOUT_S)
+        assert policy == "policy_2" and hash_got == manifest.content_hash
+        assert got == {name: raw(t) for name, t in tensors.items()}
+    sender.close()
+    for p in (alive, *new_group):
+        p.join(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("corrupt", ["bytes", "size"])
+def test_a_file_that_does_not_match_its_manifest_is_refused(corrupt, capsys):
+    tensors, files, manifest = checkpoint(3)
+    data = bytearray(files["model.safetensors"])
+    if corrupt == "bytes":
+        data[-1] ^= 1
+    else:
+        data += b"\0"
+    received = {"model.safetensors": torch.frombuffer(data, dtype=torch.uint8),
+                "config.json": torch.frombuffer(bytearray(files["config.json"]), dtype=torch.uint8)}
+    problem = weight_channel._check(manifest, received)
+    assert problem == ("with model.safetensors not matching its hash" if corrupt == "bytes" else
+                       f"with model.safetensors of {len(data)} bytes, not {len(data) - 1}")
+    intact = {n: torch.frombuffer(bytearray(d), dtype=torch.uint8) for n, d in files.items()}
+    assert weight_channel._check(manifest, intact) is None
+    assert Delivery(Path("p"), manifest, intact).tensors().keys() == tensors.keys()
