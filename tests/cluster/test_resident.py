@@ -17,7 +17,6 @@ starts once for the run and takes every iteration's call as a work order.
 from __future__ import annotations
 
 import json
-
 import os
 import re
 import signal
