@@ -16,11 +16,11 @@ import errno
 import fcntl
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from rlpipe.cluster.workorders import this_process
 from rlpipe.schemas.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -81,10 +81,10 @@ def run_lock(run_dir: Path | str, log: Callable[[str], None] = print) -> Iterato
         previous = os.pread(fd, 4096, 0).decode(errors="replace")
         if previous.strip():
             log(f"taking over the stale lock of {_owner(previous)}: that process is gone")
-        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        # who holds it (`this_process`, the identity resident groups record) and since when, for the message
+        holder = json.dumps({**this_process(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         os.ftruncate(fd, 0)
-        os.pwrite(fd, me.encode(), 0)
+        os.pwrite(fd, holder.encode(), 0)
         yield True
     finally:
         with contextlib.suppress(OSError):

@@ -34,8 +34,8 @@ from typing import Any
 from rlpipe.pipelines.report_html import REFRESH_SECONDS
 from rlpipe.schemas.config import ConfigError
 
-#: The live report's curves.png takes at most 1/PLOT_SHARE of a run's time (RunMonitor).
-PLOT_SHARE = 20
+#: The live report's curves.png takes at most 1/PLOT_SHARE of a run's time (RunMonitor): 1%.
+PLOT_SHARE = 100
 
 
 class Sink:

@@ -12,15 +12,20 @@ import os
 import time
 
 
+def hold_once(hold_file: str) -> None:
+    """The first process to get here creates `hold_file`, writes its pid there and sleeps (for the
+    test to kill it there); any other goes on. (Also the pause of tests/cluster/worker_hooks.)"""
+    try:
+        fd = os.open(hold_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    time.sleep(3600)
+
+
 def parity(prompts, responses, answers, **kwargs) -> list[float]:
     hold = os.environ.get("RLPIPE_TEST_HOLD")
     if hold:
-        try:
-            fd = os.open(hold, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            pass
-        else:
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-            time.sleep(3600)
+        hold_once(hold)
     return [float(len(r) % 2) for r in responses]

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from rlpipe.schemas.atomic import atomic_write_bytes
-from rlpipe.schemas.errors import ArtifactNotFound
+from rlpipe.schemas.errors import MachineError
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
 
@@ -281,11 +281,7 @@ class Receiver:
         policy = Path(header["policy"])
         with self._lock:
             self._receiving = policy
-        files = {}
-        for name, size in header["files"]:
-            files[name] = data = torch.empty(size, dtype=torch.uint8)
-            if size:
-                _broadcast_buckets(group, data, header["bucket"])
+        files = receive_files(group, header)
         manifest = Manifest.model_validate_json(header["manifest"])
         problem = _check(manifest, files)
         with self._lock:
@@ -313,13 +309,29 @@ class Receiver:
             return self._deliveries.get(policy)
 
 
+def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A member's half of one hand-off: each file the header lists, into a buffer of its size, in
+    the sender's buckets."""
+    files = {}
+    for name, size in header["files"]:
+        files[name] = data = torch.empty(size, dtype=torch.uint8)
+        if size:
+            _broadcast_buckets(group, data, header["bucket"])
+    return files
+
+
 def _poll(store: Any, key: str, stopped: Any) -> str | None:
     """The value of `key` once the sender sets it (None if the receiver stops first); raises when
-    the store is gone (the sender's process ended: a new generation will come)."""
+    the store is gone (the sender's process ended: a new generation will come). A blocking wait on
+    the store, so the member joins the broadcast as soon as the header is set."""
     while not stopped():
-        if store.check([key]):
-            return store.get(key).decode()
-        time.sleep(0.02)
+        try:
+            store.wait([key], timedelta(seconds=1))
+        except torch.distributed.DistStoreError as e:
+            if "timeout" not in str(e).lower():
+                raise
+            continue
+        return store.get(key).decode()
     return None
 
 
@@ -341,12 +353,14 @@ def _check(manifest: Manifest, files: Mapping[str, torch.Tensor]) -> str | None:
 def wait_for_file(policy: Path | str, *, poll_s: float = 0.05, alive: Any = None) -> None:
     """Return once checkpoint `policy`'s manifest is on disk (written last by its writer, in
     another process); `alive()`, when given, is asked at each look and False ends the wait with
-    an error (the writer gone before its file was complete: a rerun makes it again)."""
+    a MachineError (the writer's process lost before its file was complete: a rerun makes it
+    again, the same bytes)."""
     manifest = Path(policy) / MANIFEST_NAME
     while not manifest.is_file():
-        if alive is not None and not alive():
-            raise ArtifactNotFound(f"{policy}: its writer ended before the checkpoint was complete; "
-                                   "rerun the run to make it again (the same bytes: nothing is lost)")
+        if alive is not None and not alive() and not manifest.is_file():
+            raise MachineError(f"{policy}: the process writing it in the background was lost before the "
+                               "checkpoint was complete; rerun the same command to resume (optimize makes "
+                               "it again, the same bytes)")
         time.sleep(poll_s)
 
 

@@ -12,6 +12,8 @@ starts once for the run and takes every iteration's call as a work order.
   content hashes of an uninterrupted run.
 - A score worker SIGKILLed mid-order is retried once and the run finishes as an uninterrupted
   run; lost again in the retry, the run ends as the machine's failure.
+- The weight channel: the rollout members take each new policy from it (in the first test), and
+  a run killed around it (the sender after sending, a member mid-receive) resumes identically.
 """
 
 from __future__ import annotations
@@ -296,3 +298,62 @@ def test_a_lost_worker_is_a_machine_failure_retried_once(tmp_path):
     assert_like_reference(run_dir, reference)
     assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
     assert list(tmpdir.iterdir()) == []
+
+
+# -- the weight channel ---------------------------------------------------------------------------
+# Faults around the weight channel (stages/common/weight_channel.py), rollout on 2 members and
+# optimize on 2 ranks, each segment killed where the channel is exposed; the same command then
+# finishes the run with the content hashes of an uninterrupted in-process run:
+# 1. optimize's rank 0 SIGKILLed after it sent policy 1 to the rollout members and before that
+#    policy's manifest is on disk (its background write paused): the run fails as the machine's
+#    failure (exit 3), no policy 1 is visible;
+# 2. a rollout member SIGKILLed mid-receive (the header taken, the files not): the rollout group is
+#    started anew (rollout is retried once), its members read the policy's file and say so in
+#    one log line each.
+HOOKS = Path(__file__).parent / "worker_hooks"
+
+#: FAULTS with 2 rollout members: the channel broadcasts to two receivers.
+CHANNEL = {**FAULTS, "launch": {**FAULTS["launch"], "rollout": {"workers": 2}}}
+
+
+def _paused(point: str, pause_file: Path) -> dict[str, str]:
+    """The environment that pauses `point` ('module:attr@N') in the run's workers (worker_hooks)."""
+    return {"PYTHONPATH": f"{TESTS}{os.pathsep}{HOOKS}", "RLPIPE_TEST_WORKER_PAUSE": point,
+            "RLPIPE_TEST_WORKER_PAUSE_FILE": str(pause_file)}
+
+
+def test_killed_around_the_weight_channel_a_run_resumes_to_the_same_hashes(tmp_path):
+    preset = tmp_path / "channel.yaml"
+    preset.write_text(yaml.safe_dump(CHANNEL))
+    reference = Driver(tmp_path / "reference", preset, "launch.launcher=local")
+    assert reference.wait(600) == 0, reference.output
+    root = tmp_path / "resident"
+    run_dir = root / "runs" / "mini"
+
+    # 1. the sender killed after sending policy 1, before its manifest (its 2nd background write)
+    pause = tmp_path / "paused-1"
+    d = Driver(root, preset, env=_paused("rlpipe.stages.common.handoff:write_manifest@2", pause))
+    sender = _held(pause, d)
+    sent = (run_dir / "logs" / "iter_0001" / "optimize.log").read_text()
+    assert "[rlpipe weight channel] sent policy" in sent and " to 2 member(s) " in sent
+    os.kill(sender, signal.SIGKILL)
+    assert d.wait(120) == 3, d.output
+    assert "Traceback" not in d.output and d.output.count("error:") == 1, d.output
+    assert not (run_dir / "iter_0001" / "policy" / "_manifest.json").exists()
+    _no_workers_within(run_dir, 15)
+
+    # 2. a rollout member killed mid-receive (its first hand-off of this segment: policy 1, sent again)
+    pause = tmp_path / "paused-2"
+    d = Driver(root, preset, env=_paused("rlpipe.stages.common.weight_channel:receive_files@1", pause))
+    member = _held(pause, d)
+    os.kill(member, signal.SIGKILL)
+    assert d.wait(600) == 0, d.output
+    assert "retrying rollout (1/1), a worker was lost" in d.output, d.output
+    read = [line for p in run_dir.glob("logs/iter_0002/rollout.*.log") for line in p.read_text().splitlines()
+            if "did not come over the weight channel" in line]
+    assert len(read) == 2, read  # one line per member of the new group, which read the file
+
+    # every artifact as the uninterrupted in-process run's
+    assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference.run_dir)
+    assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()

@@ -11,7 +11,10 @@ it pays nothing.
 import importlib.abc
 import os
 import sys
-import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests/: the one hold (resident_hooks)
+from resident_hooks import hold_once  # noqa: E402
 
 
 def _pause(module, attr: str, nth: int, pause_file: str) -> None:
@@ -20,14 +23,7 @@ def _pause(module, attr: str, nth: int, pause_file: str) -> None:
     def paused(*args, **kwargs):
         calls[0] += 1
         if calls[0] == nth:
-            try:
-                fd = os.open(pause_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                pass
-            else:
-                os.write(fd, str(os.getpid()).encode())
-                os.close(fd)
-                time.sleep(3600)
+            hold_once(pause_file)
         return real(*args, **kwargs)
 
     setattr(module, attr, paused)
