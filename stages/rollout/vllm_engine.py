@@ -226,9 +226,13 @@ class VLLMEngine:
         engine started on it), 'in_place' (loaded into the live engine), 'held' (it had them)."""
         from transformers import AutoTokenizer
 
+        from rlpipe.schemas.pending import wait_until_written
         from rlpipe.stages.common.models import architecture, checkpoint_key, context_length
 
         self.checkpoint = Path(checkpoint)
+        # vLLM reads the checkpoint's files: one still written in the background (the policy
+        # handed over in memory, handoff.py; or sent over the weight channel) is waited for
+        wait_until_written(self.checkpoint)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         model_cfg = json.loads((self.checkpoint / "config.json").read_text())
