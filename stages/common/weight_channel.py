@@ -421,6 +421,9 @@ class WeightChannel:
             elif _sent_by_optimize(path):
                 print(f"[rlpipe weight channel] {path} did not come over the weight channel: reading "
                       "its file", flush=True)
+                # (optimize may still be writing it in the background: a large policy takes a
+                # while; a writer that hangs is the driver's stall timeout's to catch)
+                wait_for_file(path)
 
     def delivery(self, path: Path | str) -> Delivery | None:
         return self.taken.get(Path(path).absolute())
