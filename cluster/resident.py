@@ -39,7 +39,8 @@ from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register as register_pending
 from rlpipe.schemas.pending import wait_until_written
 from rlpipe.stages import StageCall, get_stage
-from rlpipe.stages.common.weight_channel import ADDRESS_FILE, wait_for_file
+from rlpipe.stages.common.channel_end import wait_for_file
+from rlpipe.stages.common.weight_channel import ADDRESS_FILE
 
 #: Seconds a stopped group gets to leave before it is killed.
 STOP_GRACE_S = 10.0

@@ -38,8 +38,8 @@ from typing import Any
 
 from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, read_json, this_process
 from rlpipe.stages import get_stage
+from rlpipe.stages.common.channel_end import CHANNEL
 from rlpipe.stages.common.interrupt import exit_on_signals
-from rlpipe.stages.common.weight_channel import CHANNEL
 
 #: Seconds between a member's heartbeats (and its looks at the driver).
 BEAT_S = 1.0

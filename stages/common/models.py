@@ -167,7 +167,7 @@ def _from_channel(slot: str, path: Path, kind: str) -> Slot | None:
     """The slot with checkpoint `path` copied in from the weight channel's delivery of it (a
     resident rollout member: weight_channel.py), when there is one and the slot holds a model of
     its architecture; else None (the checkpoint is read from its files)."""
-    from rlpipe.stages.common.weight_channel import CHANNEL
+    from rlpipe.stages.common.channel_end import CHANNEL
 
     delivery = CHANNEL.delivery(path)
     held = MODELS.slots.get(slot)

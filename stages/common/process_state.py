@@ -11,7 +11,7 @@ fields and one `reset()` that puts it back as a fresh process has it:
   background, the saves in flight, their failures;
 - `MODELS` (`ModelMemory`, rlpipe.stages.common.models): the model cache, the stages' slots,
   whether saved checkpoints are kept in the cache;
-- `CHANNEL` (`WeightChannel`, rlpipe.stages.common.weight_channel): this process's end of the
+- `CHANNEL` (`WeightChannel`, rlpipe.stages.common.channel_end): this process's end of the
   weight channel between resident groups and the deliveries its current order takes;
 - `LIVE` (`LiveEngine`, rlpipe.stages.rollout.vllm_engine): the live vLLM engine and its counts;
 - `WARM` (`WarmEngines`, rlpipe.stages.optimize.replay): the optimize engines kept warm, by the
@@ -57,8 +57,8 @@ def reset_process_state() -> None:
     """Reset every process-wide object (see the module doc for the order)."""
     from rlpipe.schemas.pending import PENDING
     from rlpipe.stages.common.background import BACKGROUND
+    from rlpipe.stages.common.channel_end import CHANNEL
     from rlpipe.stages.common.models import MODELS
-    from rlpipe.stages.common.weight_channel import CHANNEL
 
     BACKGROUND.reset()
     for owner in reversed(_REGISTERED):

@@ -24,14 +24,13 @@ rollout member, while it writes the same bytes to disk in the background as the 
   optimize, which makes the same bytes, so every later artifact is a cache hit or recomputed
   identically.
 
-Process state: one `WeightChannel` per process (`CHANNEL`), set up by the resident worker from its
-group's record (cluster/worker.py) and reset by `CHANNEL.reset()`.
+This module is the channel itself; a process's end of it (what a resident worker holds, what its
+current order takes) is `channel_end.CHANNEL`.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import threading
 import time
@@ -45,11 +44,8 @@ from typing import Any
 import torch
 
 from rlpipe.schemas.atomic import atomic_write_bytes
-from rlpipe.schemas.errors import MachineError
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
-
-log = logging.getLogger(__name__)
 
 #: The channel's address, in the run's workers/ folder: written by the sender, read by members.
 ADDRESS_FILE = "weight-channel.json"
@@ -151,8 +147,8 @@ def _new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float)
 
 
 def this_host() -> str:
-    """An address of this machine the members can reach: the launch's MASTER_ADDR when this is its
-    host (a multi-rank job's rank 0), else this host's name resolved."""
+    """An address of this machine the members can reach: its host name resolved (127.0.0.1 when
+    it does not resolve: members on this machine only)."""
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -196,8 +192,8 @@ class Sender:
                                  "files": [[name, len(data)] for name, data in files.items()],
                                  "bucket": self.bucket_bytes})
             self.sent += 1
-            # the header through the rendezvous store: a member polls for it between hand-offs (a
-            # collective would time out while training runs), then takes part in the buckets' broadcasts
+            # the header through the rendezvous store: a member waits for it there between hand-offs
+            # (a collective would time out while training runs), then takes part in the broadcasts
             self.store.set(f"weights/{self.generation}/header/{self.sent}", header)
             with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
                 warnings.simplefilter("ignore", UserWarning)
@@ -205,10 +201,8 @@ class Sender:
                     if len(data):
                         _broadcast_buckets(self.group, torch.frombuffer(data, dtype=torch.uint8), self.bucket_bytes)
         except Exception as e:  # a member gone, a timeout: this generation is over
-            log.warning("weight channel: sending %s failed (%s: %s); the rollout members read its file",
-                        policy, type(e).__name__, e)
-            print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}); "
-                  "the rollout members read its file", flush=True)
+            print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}: "
+                  f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file", flush=True)
             self.close()
             return False
         size = sum(len(d) for d in files.values())
@@ -348,101 +342,3 @@ def _check(manifest: Manifest, files: Mapping[str, torch.Tensor]) -> str | None:
             return f"with {name} not matching its hash"
     missing = set(infos) - set(files)
     return f"without {sorted(missing)[0]}" if missing else None
-
-
-def wait_for_file(policy: Path | str, *, poll_s: float = 0.05, alive: Any = None) -> None:
-    """Return once checkpoint `policy`'s manifest is on disk (written last by its writer, in
-    another process); `alive()`, when given, is asked at each look and False ends the wait with
-    a MachineError (the writer's process lost before its file was complete: a rerun makes it
-    again, the same bytes)."""
-    manifest = Path(policy) / MANIFEST_NAME
-    while not manifest.is_file():
-        if alive is not None and not alive() and not manifest.is_file():
-            raise MachineError(f"{policy}: the process writing it in the background was lost before the "
-                               "checkpoint was complete; rerun the same command to resume (optimize makes "
-                               "it again, the same bytes)")
-        time.sleep(poll_s)
-
-
-class WeightChannel:
-    """This process's end of the channel, if it has one (process-wide state: see the module doc).
-
-    A resident optimize member (rank 0) holds a `Sender` and, during an order that sends, the
-    receiving group it sends to; a resident rollout member holds a `Receiver` and the deliveries
-    its current order takes from it."""
-
-    def __init__(self) -> None:
-        self.sender: Sender | None = None
-        self.receiver: Receiver | None = None
-        self.sending_to: tuple[int, str] | None = None
-        """(members, group folder name) of the receiving group, during an order that sends."""
-        self.taken: dict[Path, Delivery] = {}
-        """The deliveries the current order takes its checkpoints from (path -> delivery)."""
-
-    def receive(self, folder: Path, group: str, member: int) -> None:
-        """Start receiving (a rollout member, at its start)."""
-        self.receiver = Receiver(folder, group, member).start()
-
-    def order_sends_to(self, folder: Path | None, receivers: tuple[int, str] | None, rank: int) -> None:
-        """The order about to run sends its new policy to `receivers` (members, group name), whose
-        channel address is kept in `folder` (None: it sends nothing). Every rank of the sending
-        job knows it (they take the same path through the save); rank 0 sends."""
-        self.sending_to = receivers
-        if rank == 0 and receivers is not None and folder is not None and (
-                self.sender is None or self.sender.receivers != receivers[0]):
-            if self.sender is not None:
-                self.sender.close()
-            self.sender = Sender(folder, receivers[0])
-
-    def sends(self) -> bool:
-        """Whether the current order's new policy goes over the channel (on every rank)."""
-        return self.sending_to is not None
-
-    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, bytes]) -> bool:
-        assert self.sender is not None and self.sending_to is not None
-        return self.sender.send(policy, manifest, files, self.sending_to[1])
-
-    def take(self, checkpoints: list[Path], *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        """Before an order: each of `checkpoints` (the order's checkpoint inputs) that was sent
-        over the channel is taken from memory: registered as pending (its manifest known, its
-        files waited for by whoever reads them) and kept for `delivery`. One that was sent but is
-        not here (the channel broke) is read from its file: one log line says so."""
-        from rlpipe.schemas.pending import register
-
-        self.taken = {}
-        if self.receiver is None:
-            return
-        for path in checkpoints:
-            path = Path(path).absolute()
-            delivery = self.receiver.take(path, timeout_s)
-            if delivery is not None:
-                self.taken[path] = delivery
-                register(path, delivery.manifest, wait=lambda p=path: wait_for_file(p))
-            elif _sent_by_optimize(path):
-                print(f"[rlpipe weight channel] {path} did not come over the weight channel: reading "
-                      "its file", flush=True)
-                # (optimize may still be writing it in the background: a large policy takes a
-                # while; a writer that hangs is the driver's stall timeout's to catch)
-                wait_for_file(path)
-
-    def delivery(self, path: Path | str) -> Delivery | None:
-        return self.taken.get(Path(path).absolute())
-
-    def reset(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-        if self.receiver is not None:
-            self.receiver.stop()
-        self.sender = self.receiver = self.sending_to = None
-        self.taken = {}
-
-
-def _sent_by_optimize(path: Path) -> bool:
-    """Whether checkpoint `path` is a policy optimize wrote (one a channel would have sent)."""
-    try:
-        return json.loads((path / MANIFEST_NAME).read_text()).get("stage") == "optimize"
-    except (OSError, ValueError):
-        return True  # (not on disk yet: it can only be on its way)
-
-
-CHANNEL = WeightChannel()

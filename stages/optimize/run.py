@@ -36,10 +36,10 @@ from rlpipe.schemas.pending import register as register_pending
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.background import background_allowed, in_background, wait_for_background
+from rlpipe.stages.common.channel_end import CHANNEL, wait_for_file
 from rlpipe.stages.common.handoff import hand_over
 from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.stage_io import StageStart, opens
-from rlpipe.stages.common.weight_channel import CHANNEL, wait_for_file
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.data import Batch
 from rlpipe.stages.optimize.replay import (

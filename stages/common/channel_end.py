@@ -1,0 +1,118 @@
+"""A process's end of the weight channel (weight_channel.py): what a resident worker holds and
+what its current order takes from it.
+
+Process-wide state: one `WeightChannel` per process, `CHANNEL`, set up by the resident worker from
+its group's record and each order (cluster/worker.py), read by optimize (does this order send?)
+and by the model loader (was this checkpoint delivered?), reset by `CHANNEL.reset()` (with every
+other process-wide object: `process_state.reset_process_state()`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlpipe.schemas.errors import MachineError
+from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
+from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Delivery, Receiver, Sender
+
+
+def wait_for_file(policy: Path | str, *, poll_s: float = 0.05, alive: Any = None) -> None:
+    """Return once checkpoint `policy`'s manifest is on disk (written last by its writer, in
+    another process); `alive()`, when given, is asked at each look and False ends the wait with
+    a MachineError (the writer's process lost before its file was complete: a rerun makes it
+    again, the same bytes)."""
+    manifest = Path(policy) / MANIFEST_NAME
+    while not manifest.is_file():
+        if alive is not None and not alive() and not manifest.is_file():
+            raise MachineError(f"{policy}: the process writing it in the background was lost before the "
+                               "checkpoint was complete; rerun the same command to resume (optimize makes "
+                               "it again, the same bytes)")
+        time.sleep(poll_s)
+
+
+class WeightChannel:
+    """This process's end of the channel, if it has one (process-wide state: see the module doc).
+
+    A resident optimize member (rank 0) holds a `Sender` and, during an order that sends, the
+    receiving group it sends to; a resident rollout member holds a `Receiver` and the deliveries
+    its current order takes from it."""
+
+    def __init__(self) -> None:
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self.sending_to: tuple[int, str] | None = None
+        """(members, group folder name) of the receiving group, during an order that sends."""
+        self.taken: dict[Path, Delivery] = {}
+        """The deliveries the current order takes its checkpoints from (path -> delivery)."""
+
+    def receive(self, folder: Path, group: str, member: int) -> None:
+        """Start receiving (a rollout member, at its start)."""
+        self.receiver = Receiver(folder, group, member).start()
+
+    def order_sends_to(self, folder: Path | None, receivers: tuple[int, str] | None, rank: int) -> None:
+        """The order about to run sends its new policy to `receivers` (members, group name), whose
+        channel address is kept in `folder` (None: it sends nothing). Every rank of the sending
+        job knows it (they take the same path through the save); rank 0 sends."""
+        self.sending_to = receivers
+        if rank == 0 and receivers is not None and folder is not None and (
+                self.sender is None or self.sender.receivers != receivers[0]):
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = Sender(folder, receivers[0])
+
+    def sends(self) -> bool:
+        """Whether the current order's new policy goes over the channel (on every rank)."""
+        return self.sending_to is not None
+
+    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, bytes]) -> bool:
+        assert self.sender is not None and self.sending_to is not None
+        return self.sender.send(policy, manifest, files, self.sending_to[1])
+
+    def take(self, checkpoints: list[Path], *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Before an order: each of `checkpoints` (the order's checkpoint inputs) that was sent
+        over the channel is taken from memory: registered as pending (its manifest known, its
+        files waited for by whoever reads them) and kept for `delivery`. One that was sent but is
+        not here (the channel broke) is read from its file: one log line says so."""
+        from rlpipe.schemas.pending import register
+
+        self.taken = {}
+        if self.receiver is None:
+            return
+        for path in checkpoints:
+            path = Path(path).absolute()
+            delivery = self.receiver.take(path, timeout_s)
+            if delivery is not None:
+                self.taken[path] = delivery
+                register(path, delivery.manifest, wait=lambda p=path: wait_for_file(p))
+            elif _sent_by_optimize(path):
+                print(f"[rlpipe weight channel] {path} did not come over the weight channel: reading "
+                      "its file", flush=True)
+                # (optimize may still be writing it in the background: a large policy takes a
+                # while; a writer that hangs is the driver's stall timeout's to catch)
+                wait_for_file(path)
+
+    def delivery(self, path: Path | str) -> Delivery | None:
+        return self.taken.get(Path(path).absolute())
+
+    def reset(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.stop()
+        self.sender = self.receiver = self.sending_to = None
+        self.taken = {}
+
+
+def _sent_by_optimize(path: Path) -> bool:
+    """Whether checkpoint `path` is a policy optimize wrote (one a channel would have sent)."""
+    try:
+        return json.loads((path / MANIFEST_NAME).read_text()).get("stage") == "optimize"
+    except (OSError, ValueError):
+        return True  # (not on disk yet: it can only be on its way)
+
+
+CHANNEL = WeightChannel()
