@@ -38,7 +38,6 @@ from typing import Any
 
 from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, read_json, this_process
 from rlpipe.stages import get_stage
-from rlpipe.stages.common.channel_end import CHANNEL
 from rlpipe.stages.common.interrupt import exit_on_signals
 
 #: Seconds between a member's heartbeats (and its looks at the driver).
@@ -84,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with exit_on_signals(f"worker {stage}.{member}"):
             _import_stage(stage)
             if group.info.get("weight_channel") and get_stage(stage).weights == "receive":
+                from rlpipe.stages.common.channel_end import (
+                    CHANNEL,  # (torch: imported with the stage)
+                )
+
                 CHANNEL.receive(group.path.parent, group.path.name, member)  # (joins once optimize sends)
             group.member_ready(member)
             return serve(group, stage, member, members)
@@ -98,8 +101,6 @@ def _import_stage(stage: str) -> None:
     ready), and that the first order then does not pay."""
     import importlib
 
-    from rlpipe.stages import get_stage
-
     started = time.perf_counter()
     importlib.import_module(f"{get_stage(stage).module}.run")
     print(f"[rlpipe worker {stage}] ready ({time.perf_counter() - started:.1f} s of imports)", flush=True)
@@ -110,7 +111,6 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
     member: a pod or task its scheduler started again), until a stop order (0) or a failed one
     (its exit code). The ranks of one job take every order together: they go on from the first
     order one of them has not answered."""
-    from rlpipe.stages import get_stage
     from rlpipe.stages.common.background import wait_for_background
 
     together = list(range(members)) if get_stage(stage).scaling == "ranks" else [member]
@@ -156,7 +156,7 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> i
     """Run the stage on the order's saved config, as its command line would; returns the exit code.
     A sending stage's order names the receiving group (`weight_channel`): rank 0 sends the new
     policy to it; a receiving member first takes the checkpoints that came over the channel."""
-    from rlpipe.stages import get_stage
+    from rlpipe.stages.common.channel_end import CHANNEL
     from rlpipe.stages.common.cli import stage_main
 
     to = order.get("weight_channel")  # {"folder": runs/<run>/workers, "group": its name, "members": N}
@@ -178,8 +178,8 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> i
 
 
 def _config(stage: str, order: dict[str, Any]) -> Any:
+    """The order's saved config, parsed."""
     from rlpipe.schemas.config import load_config
-    from rlpipe.stages import get_stage
 
     return load_config(get_stage(stage).config_class(), order["config_file"])
 
