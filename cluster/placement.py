@@ -32,11 +32,6 @@ placed stages with a `work_pool` as runs of the `rlpipe-stage/<pool>` deployment
 that pool's workers (which start the stage's processes as `processes` would); the others as
 `processes`."""
 
-#: The settings of the `launch` section that are not stage names.
-SETTINGS = ("launcher", "resident", "stall_timeout_s", "driver_timeout_s", "weight_channel", "share_gpus", "kubernetes",
-            "stages")
-
-
 class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -153,14 +148,15 @@ class Launch(_Spec):
             return data
         from rlpipe.stages import STAGES
 
-        out = {k: v for k, v in data.items() if k in SETTINGS}
+        settings = tuple(cls.model_fields)  # (the fields below: a new knob is a setting at once)
+        out = {k: v for k, v in data.items() if k in settings}
         stages = dict(out.get("stages") or {})
         for key, value in data.items():
-            if key in SETTINGS:
+            if key in settings:
                 continue
             if key not in STAGES:
-                settings = ", ".join(s for s in SETTINGS if s != "stages")
-                raise ValueError(f"launch.{key}: neither a setting ({settings}) nor a "
+                listed = ", ".join(s for s in settings if s != "stages")
+                raise ValueError(f"launch.{key}: neither a setting ({listed}) nor a "
                                  f"stage ({', '.join(STAGES)})")
             stages[key] = value
         if stages:
