@@ -36,11 +36,8 @@ from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members, still_running
 from rlpipe.schemas.errors import MachineError
 from rlpipe.schemas.manifest import Manifest
-from rlpipe.schemas.pending import register as register_pending
-from rlpipe.schemas.pending import wait_until_written
+from rlpipe.schemas.pending import register_elsewhere, wait_until_written
 from rlpipe.stages import StageCall, get_stage
-from rlpipe.stages.common.channel_end import wait_for_file
-from rlpipe.stages.common.weight_channel import ADDRESS_FILE
 
 #: Seconds a stopped group gets to leave before it is killed.
 STOP_GRACE_S = 10.0
@@ -113,8 +110,7 @@ class ResidentGroup:
         self._wait(out)
         for answer in self.group.answers(self.seq, self.members).values():
             for path, manifest in answer.get("writing", {}).items():
-                register_pending(path, Manifest.model_validate_json(manifest),
-                                 wait=lambda p=path: wait_for_file(p, alive=self.alive))
+                register_elsewhere(path, Manifest.model_validate_json(manifest), alive=self.alive)
         return out[0]
 
     def alive(self) -> bool:
@@ -358,7 +354,7 @@ class ResidentGroups:
         self._beating.clear()
         for run_dir in self._swept:
             with contextlib.suppress(OSError):
-                (run_dir / WORKERS_DIR / ADDRESS_FILE).unlink(missing_ok=True)  # (the weight channel's, for this run)
+                _remove_files(run_dir / WORKERS_DIR)  # (the weight channel's address, for this run)
                 (run_dir / WORKERS_DIR).rmdir()  # (only when empty)
         if failures and wait:  # the run's last train state (written in the background) is missing
             group, member, code = failures[0]
@@ -383,8 +379,15 @@ def sweep(workers: Path) -> None:
     for d in workers.iterdir():
         if d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
-        else:  # (the weight channel's address)
-            d.unlink(missing_ok=True)
+    _remove_files(workers)
+
+
+def _remove_files(workers: Path) -> None:
+    """The files of a run's workers/ folder, beside its groups' folders: the weight channel's
+    address (stages/common/weight_channel.py), written by optimize's rank 0."""
+    for f in workers.iterdir():
+        if f.is_file():
+            f.unlink(missing_ok=True)
 
 
 def wait_gone(groups: list[GroupDir], timeout: float) -> list[GroupDir]:

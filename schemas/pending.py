@@ -13,6 +13,10 @@ artifact by that manifest:
 - another process sees nothing until the manifest is on disk (written last, as always): a run
   killed mid-write reruns the stage that produced it.
 
+A process can also be told the manifest another process decided (the resident optimize's policy,
+sent over the weight channel or answered to the driver): `register_elsewhere` registers it, and its
+readers wait for the manifest to appear on disk.
+
 Process-wide state: the registry is one object per process, `PENDING` (a `PendingWrites`), owned
 by this module: the writer calls `register` before the write starts and `settled` when it ends
 (written or failed); readers call `pending_manifest` / `wait_until_written`. `PENDING.reset()`
@@ -24,10 +28,12 @@ layer, knows nothing of that).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlpipe.schemas.manifest import Manifest
+from rlpipe.schemas.errors import MachineError
+from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
 
 
 class PendingWrites:
@@ -79,6 +85,31 @@ def pending_manifest(path: Path | str) -> Manifest | None:
     """The manifest `path` is being written with in this process, if it is."""
     entry = PENDING.get(path)
     return entry[0] if entry is not None else None
+
+
+def wait_for_manifest(path: Path | str, *, alive: Callable[[], bool] | None = None, poll_s: float = 0.05) -> None:
+    """Return once artifact `path`'s manifest is on disk (written last by its writer, in another
+    process); `alive()`, when given, is asked at each look and False ends the wait with a
+    MachineError (the writer's process lost before the artifact was complete: a rerun makes it
+    again, the same bytes)."""
+    manifest = Path(path) / MANIFEST_NAME
+    while not manifest.is_file():
+        if alive is not None and not alive() and not manifest.is_file():
+            raise MachineError(f"{path}: the process writing it in the background was lost before it was "
+                               "complete; rerun the same command to resume (its stage makes it again, the "
+                               "same bytes)")
+        time.sleep(poll_s)
+
+
+def register_elsewhere(path: Path | str, manifest: Manifest, *, alive: Callable[[], bool] | None = None) -> None:
+    """`path` will hold `manifest`'s artifact, decided and written by another process: known by it
+    here until then, its readers waiting for its manifest on disk (`wait_for_manifest`)."""
+
+    def wait() -> None:
+        wait_for_manifest(path, alive=alive)
+        settled(path)
+
+    register(path, manifest, wait)
 
 
 def wait_until_written(path: Path | str) -> None:

@@ -9,29 +9,14 @@ other process-wide object: `process_state.reset_process_state()`).
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from rlpipe.schemas.errors import MachineError
-from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
+from rlpipe.schemas.errors import ArtifactError
+from rlpipe.schemas.manifest import Manifest
+from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
+from rlpipe.schemas.reading import read_manifest
 from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Delivery, Receiver, Sender
-
-
-def wait_for_file(policy: Path | str, *, poll_s: float = 0.05, alive: Any = None) -> None:
-    """Return once checkpoint `policy`'s manifest is on disk (written last by its writer, in
-    another process); `alive()`, when given, is asked at each look and False ends the wait with
-    a MachineError (the writer's process lost before its file was complete: a rerun makes it
-    again, the same bytes)."""
-    manifest = Path(policy) / MANIFEST_NAME
-    while not manifest.is_file():
-        if alive is not None and not alive() and not manifest.is_file():
-            raise MachineError(f"{policy}: the process writing it in the background was lost before the "
-                               "checkpoint was complete; rerun the same command to resume (optimize makes "
-                               "it again, the same bytes)")
-        time.sleep(poll_s)
 
 
 class WeightChannel:
@@ -77,8 +62,6 @@ class WeightChannel:
         over the channel is taken from memory: registered as pending (its manifest known, its
         files waited for by whoever reads them) and kept for `delivery`. One that was sent but is
         not here (the channel broke) is read from its file: one log line says so."""
-        from rlpipe.schemas.pending import register
-
         self.taken = {}
         if self.receiver is None:
             return
@@ -87,13 +70,13 @@ class WeightChannel:
             delivery = self.receiver.take(path, timeout_s)
             if delivery is not None:
                 self.taken[path] = delivery
-                register(path, delivery.manifest, wait=lambda p=path: wait_for_file(p))
+                register_elsewhere(path, delivery.manifest)
             elif _sent_by_optimize(path):
                 print(f"[rlpipe weight channel] {path} did not come over the weight channel: reading "
                       "its file", flush=True)
                 # (optimize may still be writing it in the background: a large policy takes a
                 # while; a writer that hangs is the driver's stall timeout's to catch)
-                wait_for_file(path)
+                wait_for_manifest(path)
 
     def delivery(self, path: Path | str) -> Delivery | None:
         return self.taken.get(Path(path).absolute())
@@ -110,8 +93,8 @@ class WeightChannel:
 def _sent_by_optimize(path: Path) -> bool:
     """Whether checkpoint `path` is a policy optimize wrote (one a channel would have sent)."""
     try:
-        return json.loads((path / MANIFEST_NAME).read_text()).get("stage") == "optimize"
-    except (OSError, ValueError):
+        return read_manifest(path).stage == "optimize"
+    except ArtifactError:
         return True  # (not on disk yet: it can only be on its way)
 
 

@@ -9,9 +9,9 @@ rollout member, while it writes the same bytes to disk in the background as the 
     optimize rank 0 --(header: policy path, manifest; then each file in buckets)--> rollout members
 
 - The channel is a process group made for it, apart from the optimize job's own (gloo, over TCP,
-  from host memory; NCCL between GPU members is not built yet). Optimize's rank 0 hosts its rendezvous (a TCPStore on a free
-  port) and writes the address to `<workers>/weight-channel.json`; each rollout member joins from a
-  receiving thread. A channel that breaks (a member killed, a timeout) is abandoned; the sender
+  from host memory; NCCL between GPU members is not built yet). Optimize's rank 0 hosts its
+  rendezvous (a TCPStore on a free port) and writes the address to `<workers>/weight-channel.json`;
+  each rollout member joins from a receiving thread. A channel that breaks (a member killed, a timeout) is abandoned; the sender
   opens a new generation (a new address) at its next send and the members that are alive join it.
 - What is sent are the checkpoint's files themselves (the safetensors bytes `save_pretrained`
   writes, serialised in memory by handoff.py), so the receiver checks every file's size and hash
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rlpipe.schemas.atomic import atomic_write_bytes
+from rlpipe.schemas.atomic import atomic_write_json
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
 
@@ -71,7 +71,7 @@ class Address:
     of its own, and its members join no generation made for the one before."""
 
     def write(self, folder: Path) -> None:
-        atomic_write_bytes(folder / ADDRESS_FILE, json.dumps(self.__dict__).encode())
+        atomic_write_json(folder / ADDRESS_FILE, self.__dict__)
 
     @classmethod
     def read(cls, folder: Path) -> Address | None:

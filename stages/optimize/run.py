@@ -32,11 +32,11 @@ from rlpipe.schemas import (
     read_manifest,
     write_table_artifact,
 )
-from rlpipe.schemas.pending import register as register_pending
+from rlpipe.schemas.pending import register_elsewhere
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.background import background_allowed, in_background, wait_for_background
-from rlpipe.stages.common.channel_end import CHANNEL, wait_for_file
+from rlpipe.stages.common.channel_end import CHANNEL
 from rlpipe.stages.common.handoff import hand_over
 from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -153,7 +153,7 @@ def _known_on_every_rank(out: Path, decided: Manifest | None, rank: int) -> None
     shared = [decided.model_dump_json() if decided is not None else None]
     torch.distributed.broadcast_object_list(shared, src=0)
     if rank != 0:
-        register_pending(out, Manifest.model_validate_json(shared[0]), wait=lambda: wait_for_file(out))
+        register_elsewhere(out, Manifest.model_validate_json(shared[0]))
 
 
 def _hands_over() -> bool:

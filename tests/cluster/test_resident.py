@@ -161,13 +161,19 @@ def _hashes(run_dir: Path) -> dict[str, str]:
             if m.parent.name in ("rollouts", "scores", "reference", "advantages")}
 
 
-def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path):
-    preset = tmp_path / "faults.yaml"
-    preset.write_text(yaml.safe_dump(FAULTS))
+def _with_reference(tmp_path: Path, spec: dict) -> tuple[Path, Driver, Path, Path]:
+    """`spec` written as a preset file, its uninterrupted in-process run (the reference, finished),
+    and the root and run folder of the resident runs to compare with it."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump(spec))
     reference = Driver(tmp_path / "reference", preset, "launch.launcher=local")
     assert reference.wait(600) == 0, reference.output
     root = tmp_path / "resident"
-    run_dir = root / "runs" / "mini"
+    return preset, reference, root, root / "runs" / "mini"
+
+
+def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path):
+    preset, reference, root, run_dir = _with_reference(tmp_path, FAULTS)
 
     # 1. a worker alive but silent: reported stuck after the stall timeout, its group stopped.
     # Only score is placed here (a placement is no part of the run: the same run directory), so
@@ -323,12 +329,7 @@ def _paused(point: str, pause_file: Path) -> dict[str, str]:
 
 
 def test_killed_around_the_weight_channel_a_run_resumes_to_the_same_hashes(tmp_path):
-    preset = tmp_path / "channel.yaml"
-    preset.write_text(yaml.safe_dump(CHANNEL))
-    reference = Driver(tmp_path / "reference", preset, "launch.launcher=local")
-    assert reference.wait(600) == 0, reference.output
-    root = tmp_path / "resident"
-    run_dir = root / "runs" / "mini"
+    preset, reference, root, run_dir = _with_reference(tmp_path, CHANNEL)
 
     # 1. the sender killed after sending policy 1, before its manifest (its 2nd background write)
     pause = tmp_path / "paused-1"
