@@ -33,7 +33,14 @@ from typing import Protocol
 from rlpipe.cluster.failures import StageLaunchError, killed_by, root_cause
 from rlpipe.cluster.logs import stage_log
 from rlpipe.cluster.placement import Launch, StagePlacement
-from rlpipe.cluster.workorders import POLL_S, WORKERS_DIR, GroupDir, live_members, still_running
+from rlpipe.cluster.workorders import (
+    POLL_S,
+    WORKERS_DIR,
+    GroupDir,
+    bells_dir,
+    live_members,
+    still_running,
+)
 from rlpipe.schemas.errors import MachineError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_until_written
@@ -89,6 +96,8 @@ class ResidentGroup:
         """Stopped, and every member has left (`stop`): a new group of the stage may start."""
         self.pids: dict[int, int | None] = {}
         """The processes of the members that failed the stop order (`stop`)."""
+        self.bell = group.bell().listen()
+        """Rung by every answer: the driver waits on it (POLL_S at most) instead of sleeping."""
 
     def run(self, call: StageCall, force: bool, logs: Path, send_weights_to: ResidentGroup | None = None) -> Path:
         """Send `call` as the next order and wait for every member's answer; returns the first
@@ -106,7 +115,7 @@ class ResidentGroup:
         if send_weights_to is not None:
             to = send_weights_to.group.path
             order["weight_channel"] = {"folder": str(to.parent), "group": to.name, "members": send_weights_to.members}
-        self.group.send(self.seq, order)
+        self.group.send(self.seq, order, self.members)
         self._wait(out)
         for answer in self.group.answers(self.seq, self.members).values():
             for path, manifest in answer.get("writing", {}).items():
@@ -122,7 +131,8 @@ class ResidentGroup:
         and every member's answer; its lines go to this iteration's log of the stage, under `logs`."""
         self.seq += 1
         out = {m: stage_log(logs, self.stage, m, self.members) for m in range(self.members)}
-        self.group.send(self.seq, {"make_room": True, "logs": {str(m): str(p.absolute()) for m, p in out.items()}})
+        self.group.send(self.seq, {"make_room": True, "logs": {str(m): str(p.absolute()) for m, p in out.items()}},
+                        self.members)
         self._wait(out)
 
     def _wait(self, out: dict[int, Path]) -> None:
@@ -160,7 +170,7 @@ class ResidentGroup:
                     f"its workers are alive but wrote nothing for {self.stall_timeout_s:.0f} s "
                     f"(launch.stall_timeout_s): stuck (a hung collective, a deadlock, a stalled filesystem?); "
                     "stopped them"))
-            time.sleep(POLL_S)
+            self.bell.wait(POLL_S)
 
     def _ended(self, code: int | None, member: int | None, out: dict[int, Path]) -> StageLaunchError:
         """The error of a group whose process ended (`Handle.ended`) before every member answered."""
@@ -200,12 +210,12 @@ class ResidentGroup:
         error is raised)."""
         stop = self.seq + 1
         with contextlib.suppress(OSError):
-            self.group.send(stop, {"stop": True})
+            self.group.send(stop, {"stop": True}, self.members)
         deadline, answered = time.monotonic() + grace, False
         while time.monotonic() < deadline and self.handle.ended() is None:  # (a flow run: until it completes)
             if not answered and len(self.group.answers(stop, self.members)) == self.members:
                 answered, deadline = True, min(deadline, time.monotonic() + STOP_GRACE_S)  # leaving now
-            time.sleep(POLL_S)
+            self.bell.wait(POLL_S)
         answers, ended = self.group.answers(stop, self.members), self.handle.ended()
 
         def gone_with(m: int) -> int | None:  # how an unanswering member's process ended, where its handle tells
@@ -230,6 +240,10 @@ class ResidentGroup:
         self.gone = not wait_gone([self.group], timeout)
         if self.gone:
             shutil.rmtree(self.group.path, ignore_errors=True)
+            for bell in (self.bell, *(self.group.bell(m) for m in range(self.members))):
+                bell.close()  # (a killed member's too)
+            with contextlib.suppress(OSError):  # the machine's folder of bells, when no run uses it
+                bells_dir().rmdir()
         return self.gone
 
     def member_log(self, member: int) -> Path | None:

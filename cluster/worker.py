@@ -36,7 +36,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlpipe.cluster.workorders import POLL_S, DriverWatch, GroupDir, read_json, this_process
+from rlpipe.cluster.workorders import (
+    POLL_S,
+    Doorbell,
+    DriverWatch,
+    GroupDir,
+    read_json,
+    this_process,
+)
 from rlpipe.stages import get_stage
 from rlpipe.stages.common.interrupt import exit_on_signals
 
@@ -117,21 +124,26 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
     seq = group.first_unanswered(together)
     if seq > 1:
         print(f"[rlpipe worker {stage}.{member}] restarted: going on from order {seq}", flush=True)
-    while True:
-        order = _next_order(group, seq)
-        if order.get("stop"):  # answered too: the driver learns whether the last background save failed
-            code = _finish_background(wait_for_background)
-            group.answer(seq, member, {"exit_code": code, "pid": os.getpid(), "seconds": 0.0})
-            return code
-        started = time.perf_counter()
-        code = make_room(stage, order, member) if order.get("make_room") else run_order(stage, order, member, members)
-        writing = _still_writing(stage, order) if code == 0 and not order.get("make_room") else {}
-        group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
-                                   "seconds": round(time.perf_counter() - started, 3),
-                                   **({"writing": writing} if writing else {})})
-        if code != 0:
-            return code
-        seq += 1
+    bell = group.bell(member).listen()
+    try:
+        while True:
+            order = _next_order(group, seq, bell)
+            if order.get("stop"):  # answered too: the driver learns whether the last background save failed
+                code = _finish_background(wait_for_background)
+                group.answer(seq, member, {"exit_code": code, "pid": os.getpid(), "seconds": 0.0})
+                return code
+            started = time.perf_counter()
+            code = (make_room(stage, order, member) if order.get("make_room")
+                    else run_order(stage, order, member, members))
+            writing = _still_writing(stage, order) if code == 0 and not order.get("make_room") else {}
+            group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
+                                       "seconds": round(time.perf_counter() - started, 3),
+                                       **({"writing": writing} if writing else {})})
+            if code != 0:
+                return code
+            seq += 1
+    finally:
+        bell.close()
 
 
 def _finish_background(wait: Any) -> int:
@@ -146,9 +158,9 @@ def _finish_background(wait: Any) -> int:
         return report_failure(e, False, lambda text: print(text, file=sys.stderr, flush=True))
 
 
-def _next_order(group: GroupDir, seq: int) -> dict[str, Any]:
+def _next_order(group: GroupDir, seq: int, bell: Doorbell) -> dict[str, Any]:
     while (order := read_json(group.order_file(seq))) is None:
-        time.sleep(POLL_S)
+        bell.wait(POLL_S)  # (rung by the driver's order: at once on its machine)
     return order
 
 

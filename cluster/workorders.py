@@ -18,6 +18,11 @@ answer only says how the members' runs ended.
       members/<member>.exit      written by a member as it leaves
       abandon                    written by a later driver of the run: members leave at once
 
+Waiting for news is a doorbell, not a poll's period: whoever writes an order rings each member's
+bell, whoever answers rings the driver's (`Doorbell`: a named pipe per listener in this machine's
+temporary folder, outside the run directory). A listener on the writer's machine wakes at once; one
+on another node hears nothing and finds the file at its next look, every POLL_S, as before.
+
 Members watch the driver (`driver_gone`): on the driver's host by its pid and start time, on
 other hosts by its heartbeat, which must change within `driver_timeout_s` (measured on the
 member's own clock, so clock skew between nodes plays no part). Every write is atomic (a
@@ -26,10 +31,14 @@ temporary name renamed into place): a reader never sees half a file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
+import select
 import socket
+import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,11 +130,20 @@ class GroupDir:
     def done_file(self, seq: int, member: int) -> Path:
         return self.path / "done" / f"{seq:06d}.{member}.json"
 
-    def send(self, seq: int, order: dict[str, Any]) -> None:
+    def send(self, seq: int, order: dict[str, Any], members: int | None = None) -> None:
+        """Write order `seq` and ring the bells of the group's `members` (default: group.json's)."""
         atomic_write_json(self.order_file(seq), order)
+        for m in range(members if members is not None else self.info["members"]):
+            self.bell(m).ring()
 
     def answer(self, seq: int, member: int, answer: dict[str, Any]) -> None:
         atomic_write_json(self.done_file(seq, member), answer)
+        self.bell().ring()
+
+    def bell(self, member: int | None = None) -> Doorbell:
+        """The driver's doorbell (rung by answers), or a member's (rung by orders)."""
+        ident = hashlib.sha256(str(self.path.absolute()).encode()).hexdigest()[:16]
+        return Doorbell(bells_dir() / f"{ident}.{'driver' if member is None else member}")
 
     def first_unanswered(self, members: list[int]) -> int:
         """The first order that not every one of `members` has answered: where a member starts
@@ -234,3 +252,69 @@ def heartbeat_stopped(seen: dict[Any, tuple[int | None, float]], key: Any, count
         seen[key] = (count, now)
         return False
     return now - last[1] > timeout_s
+
+
+def bells_dir() -> Path:
+    """This machine's folder of doorbells: the temporary folder's, the user's own."""
+    return Path(tempfile.gettempdir()) / f"rlpipe-bells-{os.getuid()}"
+
+
+@dataclass
+class Doorbell:
+    """A named pipe one process listens on (`listen`, then `wait`) and others `ring`: a wait for a
+    file another process writes that ends when it is written (on this machine; a ring nobody on
+    this machine listens to is lost, so a listener still looks for its file every `wait` timeout)."""
+
+    path: Path
+    fd: int | None = None
+
+    def listen(self) -> Doorbell:
+        """Make the pipe (if need be) and hold it open; without a pipe (a file system without
+        them), `wait` is a plain sleep."""
+        try:
+            self.path.parent.mkdir(mode=0o700, exist_ok=True)
+            try:
+                os.mkfifo(self.path, 0o600)
+            except FileExistsError:
+                if not stat.S_ISFIFO(os.lstat(self.path).st_mode):
+                    return self
+            # read and write: the pipe always has a writer, so a wait blocks until a ring
+            self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+        except OSError:
+            self.fd = None
+        return self
+
+    def wait(self, timeout: float) -> None:
+        """Until a ring (the rings so far all taken) or `timeout` seconds."""
+        if self.fd is None:
+            time.sleep(timeout)
+            return
+        if select.select([self.fd], [], [], timeout)[0]:
+            try:
+                while os.read(self.fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def ring(self) -> None:
+        """Wake the listener, if one listens on this machine (never blocks, never raises)."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no pipe, or nobody listening (ENXIO): it looks for its file anyway
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError:  # a full pipe (EAGAIN) has rings enough
+            pass
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop listening; the pipe goes."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            self.path.unlink()
+        except OSError:
+            pass

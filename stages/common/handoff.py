@@ -6,11 +6,13 @@ round trip the next stage does not need: it takes a plain copy of the weights fr
 model cache of `models.py`), while the checkpoint is written by a background thread as the record
 (stages/common/background.py). The checkpoint stays the contract:
 
-- its manifest is decided before the write starts: the weight files' bytes are serialised in
-  memory first (the very bytes `save_pretrained` writes: `transformers` builds them and this
-  module takes them instead of letting it write them), hashed there, and the small files
+- its manifest is decided before the write starts: the tensors `save_pretrained` would write are
+  snapshotted to host memory (`transformers` decides which, under which names; this module takes
+  them instead of letting it write them), hashed there as the very bytes of their safetensors
+  files (header, then each tensor's bytes: `WeightFile`, no joined copy), and the small files
   (config, generation config, tokenizer) are written and hashed at once. So the next stage's
-  manifest and cache key name the checkpoint's content hash exactly as if it had read the file;
+  manifest and cache key name the checkpoint's content hash exactly as if it had read the file.
+  The copy handed over shares the snapshots (an fp32 policy is copied once, not twice);
 - until the manifest is on disk this process knows the checkpoint as pending (schemas/pending.py):
   whoever reads its files waits for them; other processes see nothing;
 - killed before the manifest is written, the run reruns optimize (its output is missing) and
@@ -23,8 +25,10 @@ weights, a critic, a checkpoint of several ranks are saved as before).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,27 +36,31 @@ import torch
 
 from rlpipe.schemas import Manifest
 from rlpipe.schemas import pending as pending_artifacts
-from rlpipe.schemas.hashing import digest_bytes
+from rlpipe.schemas.hashing import new_hasher
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.staging import open_staging, raise_staging_failure, swap_into_place
 from rlpipe.schemas.writer import checkpoint_manifest, write_manifest
 from rlpipe.stages.common.background import in_background, wait_for_background
 
 
-def host_copy(module: Any, dtype: torch.dtype = torch.float32) -> Any:
+def host_copy(module: Any, dtype: torch.dtype = torch.float32,
+              taken: Mapping[tuple, torch.Tensor] | None = None) -> Any:
     """A plain copy of a Hugging Face `module` on the CPU in `dtype` (eval mode, no DeepSpeed hooks),
     equal to what loading its saved checkpoint in `dtype` gives: built without initialising weights
     that are overwritten at once, parameters tied in `module` (an LM head and the embeddings) tied
-    in the copy."""
+    in the copy. `taken`: copies already made of some of its tensors (`tensor_identity` -> copy,
+    the snapshots `weights_in_memory` took), used as they are where their dtype is `dtype`."""
     from transformers.initialization import no_init_weights
 
-    copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+    copies: dict[tuple, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict().items():
         # one copy per distinct tensor: tied parameters share a storage (and offset, shape)
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        ident = tensor_identity(tensor)
         if ident not in copies:
-            copies[ident] = tensor.detach().to(device="cpu", dtype=dtype, copy=True)
+            snapshot = (taken or {}).get(ident)
+            copies[ident] = (snapshot if snapshot is not None and snapshot.dtype == dtype
+                             else tensor.detach().to(device="cpu", dtype=dtype, copy=True))
         state[name] = copies[ident]
     with no_init_weights():
         copy = type(module)(module.config)
@@ -64,24 +72,98 @@ def host_copy(module: Any, dtype: torch.dtype = torch.float32) -> Any:
     return copy.eval()
 
 
+def tensor_identity(tensor: torch.Tensor) -> tuple:
+    """Which memory a tensor is: equal for two views of the same elements (tied parameters)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+
+
+@dataclass
+class WeightFile:
+    """A safetensors file held as its header and its tensors, in file order: the bytes it is
+    (`pieces`), hashed and written without joining them into one buffer. The format: an 8-byte
+    little-endian header length n, n bytes of JSON header (name -> dtype, shape, [begin, end) in
+    the data), then the data: every tensor's bytes, back to back."""
+
+    header: bytes
+    tensors: list[torch.Tensor]
+
+    def pieces(self) -> Iterator[memoryview]:
+        yield memoryview(self.header)
+        for t in self.tensors:
+            if t.numel():
+                yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+    def __len__(self) -> int:
+        return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def digest(self) -> str:
+        h = new_hasher()
+        for piece in self.pieces():
+            h.update(piece)
+        return h.hexdigest()
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.pieces())
+
+
+#: A file layout (each tensor's name, dtype and shape; the metadata) -> (its safetensors header, the
+#: tensor names in file order). The header depends on nothing else, so a policy saved every
+#: iteration is serialised by safetensors once, then hashed and written straight from its tensors.
+_LAYOUTS: dict[tuple, tuple[bytes, list[str]]] = {}
+_MAX_LAYOUTS = 16
+
+
+def _layout_key(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple:
+    return (tuple(sorted((n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items())),
+            tuple(sorted((metadata or {}).items())))
+
+
+def _layout(data: bytes, tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[str]] | None:
+    """(header, names in file order) of safetensors bytes `data` of `tensors`, when `data` is
+    exactly that header followed by the tensors' bytes back to back (checked); else None."""
+    n = int.from_bytes(data[:8], "little")
+    spans = sorted((info["data_offsets"], name) for name, info in json.loads(data[8:8 + n]).items()
+                   if name != "__metadata__")
+    header, order = data[:8 + n], [name for _, name in spans]
+    laid = WeightFile(header, [tensors[name] for name in order]) if set(order) == set(tensors) else None
+    return (header, order) if laid is not None and laid.to_bytes() == data else None
+
+
 @contextlib.contextmanager
-def weights_in_memory() -> Iterator[dict[str, bytes]]:
+def weights_in_memory() -> Iterator[tuple[dict[str, WeightFile], dict[tuple, torch.Tensor]]]:
     """Within the block, `save_pretrained` (safetensors) writes every file but its weight files,
-    whose bytes go into the yielded dict (file name -> bytes) instead. (It swaps transformers'
-    module-level writer for the block: only the calling thread saves Hugging Face checkpoints
-    meanwhile; the background writers write bytes or DeepSpeed states, never through it.)"""
+    which go into the first yielded dict (file name -> WeightFile) instead: a snapshot of each
+    tensor (a copy on the CPU, also in the second dict by the saved tensor's `tensor_identity`)
+    behind its header. (It swaps transformers' module-level writer for the block: only the calling
+    thread saves Hugging Face checkpoints meanwhile; the background writers write bytes or
+    DeepSpeed states, never through it.)"""
     from safetensors.torch import save
     from transformers import modeling_utils
 
-    captured: dict[str, bytes] = {}
+    captured: dict[str, WeightFile] = {}
+    taken: dict[tuple, torch.Tensor] = {}
 
     def keep(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
-        captured[os.path.basename(filename)] = save(tensors, metadata=metadata)
+        snapshot = {}
+        for name, t in tensors.items():
+            snapshot[name] = taken[tensor_identity(t)] = t.detach().to(device="cpu", copy=True).contiguous()
+        key = _layout_key(snapshot, metadata)
+        if key not in _LAYOUTS:  # the first file of this layout: safetensors lays it out
+            data = save(snapshot, metadata=metadata)
+            layout = _layout(data, snapshot)
+            if layout is None:  # (not laid out as expected: kept as safetensors wrote it)
+                captured[os.path.basename(filename)] = WeightFile(data, [])
+                return
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:
+                _LAYOUTS.pop(next(iter(_LAYOUTS)))
+            _LAYOUTS[key] = layout
+        header, order = _LAYOUTS[key]
+        captured[os.path.basename(filename)] = WeightFile(header, [snapshot[name] for name in order])
 
     original = modeling_utils.safe_save_file
     modeling_utils.safe_save_file = keep
     try:
-        yield captured
+        yield captured, taken
     finally:
         modeling_utils.safe_save_file = original
 
@@ -103,27 +185,28 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
 
     staging = open_staging(out)
     try:
-        with weights_in_memory() as weights:
+        with weights_in_memory() as (weights, taken):
             save_pretrained(module, tokenizer, staging, max_shard_size=max_shard_size)
-        known = {name: FileInfo.of(name, len(data), digest_bytes(data)) for name, data in weights.items()}
+        known = {name: FileInfo.of(name, len(file), file.digest()) for name, file in weights.items()}
         manifest = checkpoint_manifest(staging, known=known, **manifest_fields)
     except BaseException as e:
         raise_staging_failure(e, staging, out)
     if send is not None:
         small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
-        send(out, manifest, {**weights, **small})
-    copy = host_copy(module) if copy else None
+        send(out, manifest, {**{name: file.to_bytes() for name, file in weights.items()}, **small})
+    copy = host_copy(module, taken=taken) if copy else None
     pending_artifacts.register(out, manifest, wait=wait_for_background)
     in_background(lambda: _write(staging, out, weights, manifest), str(out))
     return manifest, copy
 
 
-def _write(staging: Path, out: Path, weights: dict[str, bytes], manifest: Manifest) -> None:
+def _write(staging: Path, out: Path, weights: dict[str, WeightFile], manifest: Manifest) -> None:
     """The background half: the weight files, then the manifest (last), then the swap."""
     try:
         for name in list(weights):
             with open(staging / name, "wb") as f:
-                f.write(weights.pop(name))  # (each file's bytes freed once written)
+                for piece in weights.pop(name).pieces():  # (each file's snapshot let go once written)
+                    f.write(piece)
                 f.flush()
                 os.fsync(f.fileno())
         write_manifest(staging, manifest)

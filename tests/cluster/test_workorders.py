@@ -4,6 +4,7 @@ a member tells that its driver is gone, and how a later driver clears a killed o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +27,35 @@ def _sleeper() -> subprocess.Popen:
 def _as_driver(group: GroupDir, process: dict, timeout: float = 60.0) -> None:
     info = json.loads((group.path / "group.json").read_text())
     (group.path / "group.json").write_text(json.dumps({**info, "driver": process, "driver_timeout_s": timeout}))
+
+
+def test_an_order_rings_each_member_and_an_answer_the_driver(tmp_path, monkeypatch):
+    """A wait on a bell ends when another process writes the order (not at the next poll); a ring
+    nobody listens to is lost without blocking, and the wait then ends at its timeout."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    group = GroupDir.create(tmp_path, "rollout", 2, driver_timeout_s=60)
+    driver, member = group.bell().listen(), group.bell(1).listen()
+    assert driver.fd is not None and member.fd is not None
+    group.bell(0).ring()  # (member 0 does not listen: nothing happens)
+    ring = ("import sys, time; from pathlib import Path; from rlpipe.cluster.workorders import GroupDir; "
+            "time.sleep(1.0); GroupDir(Path(sys.argv[1])).send(1, {'force': False})")
+    child = subprocess.Popen([sys.executable, "-c", ring, str(group.path)], env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    started = time.monotonic()
+    while group.order_file(1).is_file() is False:
+        member.wait(30.0)
+    woke = time.monotonic() - started
+    assert child.wait(30) == 0 and 1.0 <= woke < 10.0  # woken by the ring, long before the 30 s timeout
+    started = time.monotonic()
+    driver.wait(0.3)  # no ring: the timeout
+    assert 0.3 <= time.monotonic() - started < 5.0
+    group.answer(1, 1, {"exit_code": 0})
+    started = time.monotonic()
+    driver.wait(30.0)
+    assert time.monotonic() - started < 5.0
+    for bell in (driver, member):
+        bell.close()
+    assert list((tmp_path / "tmp").glob("rlpipe-bells-*/*")) == []
 
 
 def test_orders_and_answers_round_trip(tmp_path):

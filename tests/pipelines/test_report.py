@@ -21,6 +21,8 @@ from rlpipe.pipelines.report import (
     shown_panels,
     step_metrics,
 )
+from rlpipe.pipelines.report_html import REFRESH_SECONDS
+from rlpipe.pipelines.sinks import PLOT_SHARE, report_due
 from rlpipe.schemas import METRICS, read_manifest, read_table_artifact, write_table_artifact
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -78,17 +80,25 @@ def test_run_table_rows_follow_the_artifacts_they_are_computed_from(mini_run, tm
     assert run_table(run)["eval_accuracy"][1] is None
 
 
-def test_report_is_rewritten_after_every_iteration(mini_run):
-    during = mini_run.pages_during_run
-    assert len(during) == 2
-    for n, page in enumerate(during, start=1):
-        assert "http-equiv='refresh'" in page and f"; {n} iteration(s)" in page
-        assert page.count("<tr><td class='num'>") == n  # one table row per finished iteration
+def test_report_is_live_from_the_first_iteration_and_final_at_the_end(mini_run):
+    first = mini_run.pages_during_run[0]  # (the first iteration always writes it)
+    assert "http-equiv='refresh'" in first and "; 1 iteration(s)" in first
+    assert first.count("<tr><td class='num'>") == 1  # one table row per finished iteration
     final = (mini_run.run_dir / "report" / "index.html").read_text()
     assert "refresh" not in final and "finished; 2 iteration(s)" in final
     md = (mini_run.run_dir / "report" / "metrics.md").read_text()
     assert "| iteration | reward_mean |" in md
     assert [line.split(" | ")[0] for line in md.splitlines() if re.match(r"\| \d", line)] == ["| 1", "| 2"]
+
+
+def test_the_live_report_is_written_when_a_reload_can_show_it():
+    """Tables: the first time, then REFRESH_SECONDS after the last write; the plot also at most
+    1/PLOT_SHARE of the run (a 2 s plot: every 200 s)."""
+    assert report_due(0.0, None, interval=REFRESH_SECONDS)
+    assert not report_due(100.0 + REFRESH_SECONDS - 0.01, 100.0, interval=REFRESH_SECONDS)
+    assert report_due(100.0 + REFRESH_SECONDS, 100.0, interval=REFRESH_SECONDS)
+    assert not report_due(100.0 + 199.0, 100.0, interval=REFRESH_SECONDS, cost=2.0, share=PLOT_SHARE)
+    assert report_due(100.0 + 200.0, 100.0, interval=REFRESH_SECONDS, cost=2.0, share=PLOT_SHARE)
 
 
 def test_sample_completions_join_rewards_to_rollouts(mini_run):

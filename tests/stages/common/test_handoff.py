@@ -62,6 +62,30 @@ def test_handed_over_checkpoint_is_what_save_pretrained_writes(name, tiny_tokeni
     assert {id(p) for p in host.parameters()}.__len__() == len(list(model.parameters()))
 
 
+def test_a_policy_handed_over_again_is_laid_out_as_safetensors_lays_it_out(tiny_tokenizer, tmp_path, in_background):
+    """After the first file of a layout (which safetensors serialises), the next ones are written
+    from their tensors behind the same header: still byte for byte what `save_pretrained` writes,
+    and the copy handed over shares the snapshots (fp32: no second copy)."""
+    model = build_model("llama", tiny_tokenizer)
+    for n in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        manifest, host = handoff.hand_over(model, tiny_tokenizer, tmp_path / f"handed{n}", max_shard_size="5GB",
+                                           manifest_fields=FIELDS)
+        saved = save_pretrained(model, tiny_tokenizer, tmp_path / f"saved{n}")
+        background.wait_for_background()
+        assert _files(tmp_path / f"handed{n}") == _files(saved), n
+        assert manifest.content_hash == commit_directory(saved, **FIELDS).content_hash
+        with torch.no_grad():  # the copy is a snapshot: training on does not move it
+            before = {k: v.clone() for k, v in host.state_dict().items()}
+            for p in model.parameters():
+                p.add_(1.0)
+            assert all(torch.equal(before[k], v) for k, v in host.state_dict().items())
+            for p in model.parameters():
+                p.sub_(1.0)
+
+
 def test_the_manifest_is_known_before_the_files_and_readers_wait(tiny_tokenizer, tmp_path, in_background):
     model = build_model("llama", tiny_tokenizer)
     gate = threading.Event()
