@@ -14,6 +14,7 @@ from rlpipe.schemas.columns import SCHEMA_NAME_KEY, SCHEMA_VERSION_KEY, Artifact
 from rlpipe.schemas.errors import ArtifactError, IntegrityError, SchemaMismatch, SchemaVersionError
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.registry import SCHEMAS
+from rlpipe.schemas.table_memory import TABLES
 from rlpipe.schemas.verify import listed_entry, open_verified
 
 SHARD_PREFIX = "part-"
@@ -162,12 +163,18 @@ def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence
     info = info if info is not None else listed_entry(path)
     names = list(columns) if columns is not None else None
     with open_verified(path, info) as source:
-        try:  # (one parse of the footer for the schema and the rows: ~1/3 faster than read_table)
-            parquet = pq.ParquetFile(source)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise SchemaMismatch(path, expected.name, [f"not a readable Parquet file ({e})"]) from None
-        actual = check_schema(path, parquet.schema_arrow, expected)
-        table = parquet.read(columns=_present(names, actual))
+        written = TABLES.get(info.tagged_digest) if info is not None else None
+        if written is not None:  # (verified bytes this process encoded from this table: table_memory.py)
+            actual = check_schema(path, written.schema, expected)
+            present = _present(names, actual)
+            table = written if present is None else written.select(present)
+        else:
+            try:  # (one parse of the footer for the schema and the rows: ~1/3 faster than read_table)
+                parquet = pq.ParquetFile(source)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise SchemaMismatch(path, expected.name, [f"not a readable Parquet file ({e})"]) from None
+            actual = check_schema(path, parquet.schema_arrow, expected)
+            table = parquet.read(columns=_present(names, actual))
     if info is not None and info.rows is not None and table.num_rows != info.rows:
         raise IntegrityError(f"{path}: {table.num_rows} rows, its manifest says {info.rows}")
     problems = null_problems(table, expected)

@@ -48,6 +48,7 @@ from rlpipe.schemas.shards import (
     shard_name,
 )
 from rlpipe.schemas.staging import open_staging, swap_into_place
+from rlpipe.schemas.table_memory import TABLES
 
 
 def conform(table: pa.Table | Mapping[str, Any], schema: pa.Schema, where: str) -> pa.Table:
@@ -133,6 +134,7 @@ class ArtifactWriter:
                 pq.write_table(table, out, compression=self.compression)
             info = FileInfo.of(name, out.size, out.hexdigest(), out.algorithm, rows=table.num_rows)
             os.replace(tmp, final)
+            TABLES.remember(info.tagged_digest, table)  # (a read in this process decodes nothing)
         except OSError as e:  # disk full, read-only: Arrow's message does not name the file
             raise ArtifactError(f"{self.path / name}: cannot write the shard ({e}); nothing was "
                                 "replaced: free space or choose another output") from None

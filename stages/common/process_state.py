@@ -7,6 +7,7 @@ fields and one `reset()` that puts it back as a fresh process has it:
 
 - `PENDING` (`PendingWrites`, rlpipe.schemas.pending): artifacts whose manifest is decided while
   a background thread writes their files;
+- `TABLES` (`TableMemory`, rlpipe.schemas.table_memory): the shards this process wrote, as tables;
 - `BACKGROUND` (`BackgroundSaves`, rlpipe.stages.common.background): whether saves may run in the
   background, the saves in flight, their failures;
 - `MODELS` (`ModelMemory`, rlpipe.stages.common.models): the model cache, the stages' slots,
@@ -24,7 +25,7 @@ holds nothing to reset.
 Tests reset every one of them with `reset_process_state()` (the `fresh_process_state` fixture of
 tests/conftest.py calls it before and after a test). It first waits for the saves in flight (they
 use the warm engines and settle pending writes), then resets the stages' objects (the last
-registered first), the weight channel, the models, and the pending writes.
+registered first), the weight channel, the models, the pending writes and the written tables.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def register(owner: T) -> T:
 def reset_process_state() -> None:
     """Reset every process-wide object (see the module doc for the order)."""
     from rlpipe.schemas.pending import PENDING
+    from rlpipe.schemas.table_memory import TABLES
     from rlpipe.stages.common.background import BACKGROUND
     from rlpipe.stages.common.channel_end import CHANNEL
     from rlpipe.stages.common.models import MODELS
@@ -66,3 +68,4 @@ def reset_process_state() -> None:
     CHANNEL.reset()
     MODELS.reset()
     PENDING.reset()
+    TABLES.reset()

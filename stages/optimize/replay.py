@@ -107,7 +107,7 @@ def engine_knobs(config: OptimizeConfig, dscfg: dict[str, Any]) -> str:
 def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: dict[str, InputRef], d: Any,
                 timing: dict[str, float]) -> tuple[Engines, Any]:
     """(engines holding the state this run continues from, built with its knobs; the tokenizer)."""
-    from rlpipe.stages.common.tiny import load_tokenizer
+    from rlpipe.stages.common.models import shared_tokenizer
 
     manifests = [_chained(config, inputs, i) for i in range(len(config.replay))]
     state = Path(config.train_state) if config.train_state is not None else None
@@ -117,7 +117,7 @@ def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: d
     engines = WARM.by_state.pop(ids[held]) if held is not None else None
     WARM.reset()  # engines holding any other state are of no further use
     beside = Path(config.output)  # where a scratch transfer between engines goes
-    tokenizer = load_tokenizer(config.policy)
+    tokenizer = shared_tokenizer(config.policy)
     if manifests[held or 0:]:
         mark = time.perf_counter()
         for i in range(held or 0, len(manifests)):

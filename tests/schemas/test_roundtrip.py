@@ -15,7 +15,9 @@ from rlpipe.schemas import (
     write_table_artifact,
 )
 from rlpipe.schemas.columns import SCHEMA_NAME_KEY, SCHEMA_VERSION_KEY
+from rlpipe.schemas.errors import IntegrityError
 from rlpipe.schemas.examples import example_table
+from rlpipe.schemas.table_memory import TABLES
 
 EXTRA = {"scores": (SCORES.families[0].column("format"), SCORES.families[0].column("correct"))}
 
@@ -35,6 +37,7 @@ def test_round_trip_parquet_and_polars(tmp_path, name):
     assert len(manifest.shard_names) >= 3
 
     # Arrow: same schema (types, nullability, docs) and the same values, across shards.
+    TABLES.reset()  # (from the files: not the tables this process wrote)
     back = read_table_artifact(tmp_path / name)
     assert back.schema.equals(table.schema, check_metadata=True)
     assert back.to_pylist() == table.to_pylist()
@@ -73,3 +76,30 @@ def test_empty_artifact_reads_as_empty_table(tmp_path):
     back = read_table_artifact(tmp_path / "p")
     assert back.num_rows == 0 and back.column_names == schema.column_names
     assert scan_artifact(tmp_path / "p").collect().height == 0
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_a_shard_this_process_wrote_is_read_from_memory_as_from_its_file(tmp_path, name, monkeypatch):
+    schema = SCHEMAS[name]
+    extra = EXTRA.get(name, ())
+    table = example_table(schema, 11, seed=5, extra=extra)
+    path = tmp_path / name
+    write_table_artifact(path, schema, table, stage="test", extra_columns=extra, rows_per_shard=4)
+    some = [table.column_names[-1], table.column_names[0]]
+    with monkeypatch.context() as m:  # nothing is decoded: every shard comes from memory
+        m.setattr(pq, "ParquetFile", None)
+        whole, part = read_table_artifact(path), read_table_artifact(path, columns=some)
+    TABLES.reset()
+    assert whole.schema.equals(read_table_artifact(path).schema, check_metadata=True)
+    assert whole.equals(read_table_artifact(path)) and part.equals(read_table_artifact(path, columns=some))
+    assert part.column_names == some
+
+
+def test_a_changed_shard_is_caught_though_its_table_is_in_memory(tmp_path):
+    schema = SCHEMAS["scores"]
+    table = example_table(schema, 6, seed=1, extra=EXTRA["scores"])
+    manifest = write_table_artifact(tmp_path / "s", schema, table, stage="test", extra_columns=EXTRA["scores"])
+    shard = tmp_path / "s" / manifest.shard_names[0]
+    shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)  # (same size, other bytes)
+    with pytest.raises(IntegrityError, match=manifest.shard_names[0]):
+        read_table_artifact(tmp_path / "s")
