@@ -9,14 +9,20 @@ other process-wide object: `process_state.reset_process_state()`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
 from rlpipe.schemas.reading import read_manifest
-from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Delivery, Receiver, Sender
+from rlpipe.stages.common.weight_channel import (
+    CONNECT_TIMEOUT_S,
+    Buffer,
+    Delivery,
+    Receiver,
+    Sender,
+)
 
 
 class WeightChannel:
@@ -53,7 +59,7 @@ class WeightChannel:
         """Whether the current order's new policy goes over the channel (on every rank)."""
         return self.sending_to is not None
 
-    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, bytes]) -> bool:
+    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]]) -> bool:
         assert self.sender is not None and self.sending_to is not None
         return self.sender.send(policy, manifest, files, self.sending_to[1])
 

@@ -12,7 +12,9 @@ model cache of `models.py`), while the checkpoint is written by a background thr
   files (header, then each tensor's bytes: `WeightFile`, no joined copy), and the small files
   (config, generation config, tokenizer) are written and hashed at once. So the next stage's
   manifest and cache key name the checkpoint's content hash exactly as if it had read the file.
-  The copy handed over shares the snapshots (an fp32 policy is copied once, not twice);
+  The copy handed over shares the snapshots (an fp32 policy is copied once, not twice); without a
+  copy (a resident optimize sending over the weight channel) the files are written and sent from
+  the module's own tensors, which its next run waits for before its first step (`stable`);
 - until the manifest is on disk this process knows the checkpoint as pending (schemas/pending.py):
   whoever reads its files waits for them; other processes see nothing;
 - killed before the manifest is written, the run reruns optimize (its output is missing) and
@@ -130,13 +132,14 @@ def _layout(data: bytes, tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, li
 
 
 @contextlib.contextmanager
-def weights_in_memory() -> Iterator[tuple[dict[str, WeightFile], dict[tuple, torch.Tensor]]]:
+def weights_in_memory(snapshot: bool = True) -> Iterator[tuple[dict[str, WeightFile], dict[tuple, torch.Tensor]]]:
     """Within the block, `save_pretrained` (safetensors) writes every file but its weight files,
-    which go into the first yielded dict (file name -> WeightFile) instead: a snapshot of each
-    tensor (a copy on the CPU, also in the second dict by the saved tensor's `tensor_identity`)
-    behind its header. (It swaps transformers' module-level writer for the block: only the calling
-    thread saves Hugging Face checkpoints meanwhile; the background writers write bytes or
-    DeepSpeed states, never through it.)"""
+    which go into the first yielded dict (file name -> WeightFile) instead: each tensor behind its
+    header, with `snapshot` a copy on the CPU (also in the second dict, by the saved tensor's
+    `tensor_identity`), else the tensor itself where it is on the CPU (see `hand_over`'s `stable`).
+    (It swaps transformers' module-level writer for the block: only the calling thread saves
+    Hugging Face checkpoints meanwhile; the background writers write bytes or DeepSpeed states,
+    never through it.)"""
     from safetensors.torch import save
     from transformers import modeling_utils
 
@@ -144,13 +147,16 @@ def weights_in_memory() -> Iterator[tuple[dict[str, WeightFile], dict[tuple, tor
     taken: dict[tuple, torch.Tensor] = {}
 
     def keep(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
-        snapshot = {}
+        held = {}
         for name, t in tensors.items():
-            snapshot[name] = taken[tensor_identity(t)] = t.detach().to(device="cpu", copy=True).contiguous()
-        key = _layout_key(snapshot, metadata)
+            if not snapshot and t.device.type == "cpu":
+                held[name] = t.detach().contiguous()
+            else:
+                held[name] = taken[tensor_identity(t)] = t.detach().to(device="cpu", copy=True).contiguous()
+        key = _layout_key(held, metadata)
         if key not in _LAYOUTS:  # the first file of this layout: safetensors lays it out
-            data = save(snapshot, metadata=metadata)
-            layout = _layout(data, snapshot)
+            data = save(held, metadata=metadata)
+            layout = _layout(data, held)
             if layout is None:  # (not laid out as expected: kept as safetensors wrote it)
                 captured[os.path.basename(filename)] = WeightFile(data, [])
                 return
@@ -158,7 +164,7 @@ def weights_in_memory() -> Iterator[tuple[dict[str, WeightFile], dict[tuple, tor
                 _LAYOUTS.pop(next(iter(_LAYOUTS)))
             _LAYOUTS[key] = layout
         header, order = _LAYOUTS[key]
-        captured[os.path.basename(filename)] = WeightFile(header, [snapshot[name] for name in order])
+        captured[os.path.basename(filename)] = WeightFile(header, [held[name] for name in order])
 
     original = modeling_utils.safe_save_file
     modeling_utils.safe_save_file = keep
@@ -169,23 +175,28 @@ def weights_in_memory() -> Iterator[tuple[dict[str, WeightFile], dict[tuple, tor
 
 
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
-              manifest_fields: Mapping[str, Any], copy: bool = True,
-              send: Callable[[Path, Manifest, dict[str, bytes]], bool] | None = None) -> tuple[Manifest, Any]:
+              manifest_fields: Mapping[str, Any], copy: bool = True, stable: bool = False,
+              send: Callable[[Path, Manifest, dict[str, Any]], bool] | None = None) -> tuple[Manifest, Any]:
     """Save `module` + `tokenizer` as the checkpoint `out` in the background; returns its manifest
     (decided now) and, with `copy`, a host copy of the model for the next stage in this process
     (see the module doc).
 
     Args:
         manifest_fields: `checkpoint_manifest`'s keyword arguments (stage, config, inputs, ...).
-        send: given every file's bytes (and the manifest) before the write starts: the weight
-            channel to the resident rollout members (weight_channel.py), which reads nothing of
-            the disk. Its failure is its own to report: the file is written either way.
+        stable: `module`'s tensors stay as they are until this process's background work is
+            waited for (optimize's next run waits for it before its first step; ZeRO-3's gathered
+            parameters do not: they go when the gather ends). Without a copy for the next stage,
+            the files are then written (and sent) from them: no snapshot of the whole model.
+        send: given every file's bytes (a weight file's as its pieces: `WeightFile.pieces`) and
+            the manifest before the write starts: the weight channel to the resident rollout
+            members (weight_channel.py), which reads nothing of the disk. Its failure is its own
+            to report: the file is written either way.
     """
     from rlpipe.stages.common.tiny import save_pretrained
 
     staging = open_staging(out)
     try:
-        with weights_in_memory() as (weights, taken):
+        with weights_in_memory(snapshot=copy or not stable) as (weights, taken):
             save_pretrained(module, tokenizer, staging, max_shard_size=max_shard_size)
         known = {name: FileInfo.of(name, len(file), file.digest()) for name, file in weights.items()}
         manifest = checkpoint_manifest(staging, known=known, **manifest_fields)
@@ -193,7 +204,7 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
         raise_staging_failure(e, staging, out)
     if send is not None:
         small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
-        send(out, manifest, {**{name: file.to_bytes() for name, file in weights.items()}, **small})
+        send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small})
     copy = host_copy(module, taken=taken) if copy else None
     pending_artifacts.register(out, manifest, wait=wait_for_background)
     in_background(lambda: _write(staging, out, weights, manifest), str(out))

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +46,9 @@ import torch
 from rlpipe.schemas.atomic import atomic_write_json
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
+
+#: Bytes as the sender holds them (a file's, or a piece of one).
+Buffer = bytes | bytearray | memoryview
 
 #: The channel's address, in the run's workers/ folder: written by the sender, read by members.
 ADDRESS_FILE = "weight-channel.json"
@@ -180,16 +183,20 @@ class Sender:
         prefixed = torch.distributed.PrefixStore(f"weights/{self.generation}", self.store)
         self.group = _new_group(self.backend, prefixed, 0, self.receivers + 1, self.timeout_s)
 
-    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, bytes], receiving_group: str) -> bool:
-        """Broadcast checkpoint `policy` (its manifest and every file's bytes) to every member of
-        `receiving_group`; False (and one log line) when the channel fails: the members then read
-        the file."""
+    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
+             receiving_group: str) -> bool:
+        """Broadcast checkpoint `policy` (its manifest and every file's bytes: one buffer, or its
+        pieces in order, e.g. a safetensors header and then each tensor's bytes, sent as they lie
+        without joining them) to every member of `receiving_group`; False (and one log line) when
+        the channel fails: the members then read the file."""
         started = time.perf_counter()
+        pieces = {name: [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
+                  for name, data in files.items()}
         try:
             if self.group is None or receiving_group != self.receiving_group:
                 self._open(receiving_group)
             header = json.dumps({"policy": str(Path(policy).absolute()), "manifest": manifest.model_dump_json(),
-                                 "files": [[name, len(data)] for name, data in files.items()],
+                                 "files": [[name, [len(p) for p in parts]] for name, parts in pieces.items()],
                                  "bucket": self.bucket_bytes})
             self.sent += 1
             # the header through the rendezvous store: a member waits for it there between hand-offs
@@ -197,15 +204,17 @@ class Sender:
             self.store.set(f"weights/{self.generation}/header/{self.sent}", header)
             with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
                 warnings.simplefilter("ignore", UserWarning)
-                for data in files.values():
-                    if len(data):
-                        _broadcast_buckets(self.group, torch.frombuffer(data, dtype=torch.uint8), self.bucket_bytes)
+                for parts in pieces.values():
+                    for part in parts:
+                        if len(part):
+                            _broadcast_buckets(self.group, torch.frombuffer(part, dtype=torch.uint8),
+                                               self.bucket_bytes)
         except Exception as e:  # a member gone, a timeout: this generation is over
             print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}: "
                   f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file", flush=True)
             self.close()
             return False
-        size = sum(len(d) for d in files.values())
+        size = sum(len(p) for parts in pieces.values() for p in parts)
         print(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
               f"member(s) in {time.perf_counter() - started:.2f} s", flush=True)
         return True
@@ -304,13 +313,16 @@ class Receiver:
 
 
 def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A member's half of one hand-off: each file the header lists, into a buffer of its size, in
-    the sender's buckets."""
+    """A member's half of one hand-off: each file the header lists, into a buffer of its size,
+    piece by piece in the sender's buckets."""
     files = {}
-    for name, size in header["files"]:
-        files[name] = data = torch.empty(size, dtype=torch.uint8)
-        if size:
-            _broadcast_buckets(group, data, header["bucket"])
+    for name, pieces in header["files"]:
+        files[name] = data = torch.empty(sum(pieces), dtype=torch.uint8)
+        offset = 0
+        for size in pieces:
+            if size:
+                _broadcast_buckets(group, data[offset:offset + size], header["bucket"])
+            offset += size
     return files
 
 

@@ -113,6 +113,7 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
                 if rank == 0:
                     decided, copy = hand_over(
                         whole, tokenizer, out, max_shard_size=config.max_shard_size, copy=_hands_over(),
+                        stable=engine.zero_optimization_stage() < 3,  # (the next run waits for its write)
                         send=CHANNEL.send if sends else None, manifest_fields=dict(
                             stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                             extra={**extra, "written": "background"}, wall_time_s=time.time() - started))

@@ -328,7 +328,7 @@ def _paused(point: str, pause_file: Path) -> dict[str, str]:
             "RLPIPE_TEST_WORKER_PAUSE_FILE": str(pause_file)}
 
 
-def test_killed_around_the_weight_channel_a_run_resumes_to_the_same_hashes(tmp_path):
+def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     preset, reference, root, run_dir = _with_reference(tmp_path, CHANNEL)
 
     # 1. the sender killed after sending policy 1, before its manifest (its 2nd background write)
@@ -358,3 +358,17 @@ def test_killed_around_the_weight_channel_a_run_resumes_to_the_same_hashes(tmp_p
     assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
     assert_like_reference(run_dir, reference.run_dir)
     assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
+
+    # 3. in one process: the whole run killed while its background thread writes policy 1
+    local = tmp_path / "local"
+    pause = tmp_path / "paused-3"
+    d = Driver(local, preset, "launch.launcher=local", env=_paused("rlpipe.stages.common.handoff:write_manifest@2",
+                                                                    pause))
+    assert _held(pause, d) == d.proc.pid  # (the driver's own background writer holds)
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.wait(60)
+    assert not (local / "runs" / "mini" / "iter_0001" / "policy" / "_manifest.json").exists()
+    again = Driver(local, preset, "launch.launcher=local")
+    assert again.wait(600) == 0, again.output
+    assert _hashes(local / "runs" / "mini") == _hashes(reference.run_dir)
+    assert_like_reference(local / "runs" / "mini", reference.run_dir)

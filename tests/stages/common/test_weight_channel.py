@@ -82,6 +82,9 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path):
     sent = {}
     for k in (1, 2):
         tensors, files, manifest = checkpoint(k)
+        if k == 2:  # a file sent as its pieces (as a hand-over sends a safetensors header, then each tensor)
+            data = files["model.safetensors"]
+            files = {**files, "model.safetensors": [data[:10], b"", memoryview(data)[10:BUCKET + 3], data[BUCKET + 3:]]}
         assert sender.send(tmp_path / f"policy_{k}", manifest, files, "rollout-a")
         sent[f"policy_{k}"] = (tensors, manifest.content_hash)
         got = sorted(results.get(timeout=TIMEOUT_S) for _ in range(2))
