@@ -55,6 +55,8 @@ ADDRESS_FILE = "weight-channel.json"
 #: Bytes per broadcast: large enough that a call's fixed cost is noise, small enough that a
 #: receiver's buffer and the sender's view of it never double a large model's memory.
 BUCKET_BYTES = 64 << 20
+#: Pieces of a file smaller than this are packed into one broadcast (`broadcast_plan`).
+PACK_BYTES = 1 << 20
 #: Seconds the sender waits for every member to join a new generation, and a member for the
 #: sender; a collective that makes no progress for as long fails (and the file is read).
 CONNECT_TIMEOUT_S = 60.0
@@ -136,9 +138,30 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def _broadcast_buckets(group: Any, data: torch.Tensor, bucket: int) -> None:
-    for begin in range(0, data.numel(), bucket):
-        _broadcast(group, data[begin:begin + bucket])
+def broadcast_plan(sizes: Sequence[int], bucket: int) -> list[list[tuple[int, int, int]]]:
+    """How a file sent as pieces of `sizes` bytes goes: one broadcast per entry, each the spans
+    (piece, begin, end) that lie back to back in the file. A piece of PACK_BYTES or more goes on
+    its own, in `bucket`-sized parts; smaller ones are packed together up to `bucket` (a model's
+    norms and biases: each a round trip of its own otherwise). The receiver, whose copy of the file
+    is one buffer, needs only each broadcast's size; both sides derive the plan from the sizes."""
+    plan: list[list[tuple[int, int, int]]] = []
+    packed: list[tuple[int, int, int]] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if size >= PACK_BYTES:
+            if packed:
+                plan.append(packed)
+                packed, filled = [], 0
+            plan += [[(i, begin, min(begin + bucket, size))] for begin in range(0, size, bucket)]
+        elif size:
+            if filled + size > bucket:
+                plan.append(packed)
+                packed, filled = [], 0
+            packed.append((i, 0, size))
+            filled += size
+    if packed:
+        plan.append(packed)
+    return plan
 
 
 def _new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
@@ -167,6 +190,7 @@ class Sender:
         self.timeout_s, self.host, self.bucket_bytes = timeout_s, host, bucket_bytes
         self.group: Any = None
         self.store: Any = None
+        self._packing = torch.empty(0, dtype=torch.uint8)  # (`_packed`)
         self.receiving_group = ""  # the receiving group this generation was made for
         self.sent = 0  # hand-offs sent in this generation
         previous = Address.read(self.folder)
@@ -205,10 +229,9 @@ class Sender:
             with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
                 warnings.simplefilter("ignore", UserWarning)
                 for parts in pieces.values():
-                    for part in parts:
-                        if len(part):
-                            _broadcast_buckets(self.group, torch.frombuffer(part, dtype=torch.uint8),
-                                               self.bucket_bytes)
+                    views = [torch.frombuffer(p, dtype=torch.uint8) if len(p) else None for p in parts]
+                    for spans in broadcast_plan([len(p) for p in parts], self.bucket_bytes):
+                        _broadcast(self.group, self._packed(views, spans))
         except Exception as e:  # a member gone, a timeout: this generation is over
             print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}: "
                   f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file", flush=True)
@@ -218,6 +241,21 @@ class Sender:
         print(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
               f"member(s) in {time.perf_counter() - started:.2f} s", flush=True)
         return True
+
+    def _packed(self, views: list[torch.Tensor | None], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One broadcast's bytes: a span of one piece as it lies, or small pieces copied into a
+        buffer kept for the next (a bucket at most)."""
+        if len(spans) == 1:
+            i, begin, end = spans[0]
+            return views[i][begin:end]
+        size = sum(end - begin for _, begin, end in spans)
+        if self._packing.numel() < size:
+            self._packing = torch.empty(size, dtype=torch.uint8)
+        offset = 0
+        for i, begin, end in spans:
+            self._packing[offset:offset + end - begin] = views[i][begin:end]
+            offset += end - begin
+        return self._packing[:size]
 
     def close(self) -> None:
         if self.group is not None:
@@ -313,15 +351,15 @@ class Receiver:
 
 
 def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A member's half of one hand-off: each file the header lists, into a buffer of its size,
-    piece by piece in the sender's buckets."""
+    """A member's half of one hand-off: each file the header lists, into a buffer of its size, in
+    the sender's broadcasts (`broadcast_plan`)."""
     files = {}
     for name, pieces in header["files"]:
         files[name] = data = torch.empty(sum(pieces), dtype=torch.uint8)
         offset = 0
-        for size in pieces:
-            if size:
-                _broadcast_buckets(group, data[offset:offset + size], header["bucket"])
+        for spans in broadcast_plan(pieces, header["bucket"]):
+            size = sum(end - begin for _, begin, end in spans)
+            _broadcast(group, data[offset:offset + size])
             offset += size
     return files
 

@@ -16,7 +16,14 @@ from safetensors.torch import save
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import FileInfo, Manifest, content_hash
 from rlpipe.stages.common import weight_channel
-from rlpipe.stages.common.weight_channel import Address, Delivery, Sender, safetensors_views
+from rlpipe.stages.common.weight_channel import (
+    PACK_BYTES,
+    Address,
+    Delivery,
+    Sender,
+    broadcast_plan,
+    safetensors_views,
+)
 
 # Small buckets, so each file goes in several broadcasts (the header tells the members the size).
 BUCKET = 64 << 10
@@ -71,6 +78,16 @@ def test_safetensors_views_are_the_tensors_saved():
     assert views.keys() == tensors.keys()
     for name, t in tensors.items():
         assert views[name].dtype == t.dtype and torch.equal(views[name], t)
+
+
+def test_the_broadcast_plan_packs_small_pieces_and_parts_large_ones():
+    """Small pieces packed up to a bucket, a large one alone in bucket-sized parts, empty ones
+    skipped: the broadcasts, back to back, are the file."""
+    big = PACK_BYTES + 5
+    plan = broadcast_plan([10, 0, 700, big, 300, 300, 500, 1], bucket=1024)
+    parts = [[(3, b, min(b + 1024, big))] for b in range(0, big, 1024)]
+    assert len(parts) == 1025 and parts[-1] == [(3, 1048576, big)]
+    assert plan == [[(0, 0, 10), (2, 0, 700)], *parts, [(4, 0, 300), (5, 0, 300)], [(6, 0, 500), (7, 0, 1)]]
 
 
 @pytest.mark.slow  # (three processes importing torch)
