@@ -41,7 +41,7 @@ from rlpipe.cluster.workorders import (
     live_members,
     still_running,
 )
-from rlpipe.schemas.errors import MachineError
+from rlpipe.schemas.errors import ArtifactError, MachineError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_until_written
 from rlpipe.stages import StageCall, get_stage
@@ -117,14 +117,28 @@ class ResidentGroup:
             order["weight_channel"] = {"folder": str(to.parent), "group": to.name, "members": send_weights_to.members}
         self.group.send(self.seq, order, self.members)
         self._wait(out)
+        if (failed := self.failed_write()) is not None:  # (what it answered with will never be complete)
+            raise failed
         for answer in self.group.answers(self.seq, self.members).values():
             for path, manifest in answer.get("writing", {}).items():
-                register_elsewhere(path, Manifest.model_validate_json(manifest), alive=self.alive)
+                register_elsewhere(path, Manifest.model_validate_json(manifest), alive=self.alive,
+                                   failed=self.failed_write)
         return out[0]
 
     def alive(self) -> bool:
         """Whether the group's processes are running (its background writes may still complete)."""
         return not self.gone and self.handle.ended() is None
+
+    def failed_write(self) -> Exception | None:
+        """The error of a member's write in the background that failed (`GroupDir.background_failed`),
+        if one did: an ArtifactError where the cause is the user's to fix (a full disk)."""
+        for m in range(self.members):
+            record = self.group.background_failure(m)
+            if record is not None:
+                message = (f"{self.stage} worker {m} could not finish writing {record['what']} in the "
+                           f"background: {record['error']}")
+                return ArtifactError(message) if record["user_error"] else RuntimeError(message)
+        return None
 
     def make_room(self, logs: Path) -> None:
         """A make-room order (`rlpipe.cluster.worker`: free the GPU memory the member's engine holds)

@@ -118,8 +118,11 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
     member: a pod or task its scheduler started again), until a stop order (0) or a failed one
     (its exit code). The ranks of one job take every order together: they go on from the first
     order one of them has not answered."""
-    from rlpipe.stages.common.background import wait_for_background
+    from rlpipe.stages.common.background import BACKGROUND, wait_for_background
 
+    # a write in the background that fails (a full disk) is the driver's to know at once: it may be
+    # waiting for that artifact (the policy this member answered with), not for this member
+    BACKGROUND.on_failure.append(lambda what, error: group.background_failed(member, what, error))
     together = list(range(members)) if get_stage(stage).scaling == "ranks" else [member]
     seq = group.first_unanswered(together)
     if seq > 1:

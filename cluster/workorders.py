@@ -16,6 +16,7 @@ answer only says how the members' runs ended.
       members/<member>.ready     written once it has imported its stage (torch, transformers, ...)
       members/<member>.beat      the member's heartbeat (its watchdog rewrites it)
       members/<member>.exit      written by a member as it leaves
+      members/<member>.failed    written by a member whose write in the background failed (what, why)
       abandon                    written by a later driver of the run: members leave at once
 
 Waiting for news is a doorbell, not a poll's period: whoever writes an order rings each member's
@@ -180,6 +181,18 @@ class GroupDir:
 
     def all_ready(self, members: int) -> bool:
         return all((self.path / "members" / f"{m}.ready").is_file() for m in range(members))
+
+    def background_failed(self, member: int, what: str, error: BaseException) -> None:
+        """A member's write of `what` in the background failed: its driver, which may be waiting
+        for that artifact, learns it at its next look (`background_failure`)."""
+        from rlpipe.schemas.errors import UserError
+
+        atomic_write_json(self.path / "members" / f"{member}.failed",
+                          {"what": what, "error": f"{type(error).__name__}: {error}",
+                           "user_error": isinstance(error, UserError), "time": time.time()})
+
+    def background_failure(self, member: int) -> dict[str, Any] | None:
+        return read_json(self.path / "members" / f"{member}.failed")
 
     def member_exited(self, member: int) -> None:
         atomic_write_json(self.path / "members" / f"{member}.exit", {"time": time.time()})

@@ -87,13 +87,17 @@ def pending_manifest(path: Path | str) -> Manifest | None:
     return entry[0] if entry is not None else None
 
 
-def wait_for_manifest(path: Path | str, *, alive: Callable[[], bool] | None = None, poll_s: float = 0.05) -> None:
+def wait_for_manifest(path: Path | str, *, alive: Callable[[], bool] | None = None,
+                      failed: Callable[[], Exception | None] | None = None, poll_s: float = 0.05) -> None:
     """Return once artifact `path`'s manifest is on disk (written last by its writer, in another
     process); `alive()`, when given, is asked at each look and False ends the wait with a
     MachineError (the writer's process lost before the artifact was complete: a rerun makes it
-    again, the same bytes)."""
+    again, the same bytes); `failed()`, when given, is the error the writer reported for one of
+    its background writes (a full disk), raised as it is."""
     manifest = Path(path) / MANIFEST_NAME
     while not manifest.is_file():
+        if failed is not None and (error := failed()) is not None and not manifest.is_file():
+            raise error
         if alive is not None and not alive() and not manifest.is_file():
             raise MachineError(f"{path}: the process writing it in the background was lost before it was "
                                "complete; rerun the same command to resume (its stage makes it again, the "
@@ -101,12 +105,13 @@ def wait_for_manifest(path: Path | str, *, alive: Callable[[], bool] | None = No
         time.sleep(poll_s)
 
 
-def register_elsewhere(path: Path | str, manifest: Manifest, *, alive: Callable[[], bool] | None = None) -> None:
+def register_elsewhere(path: Path | str, manifest: Manifest, *, alive: Callable[[], bool] | None = None,
+                       failed: Callable[[], Exception | None] | None = None) -> None:
     """`path` will hold `manifest`'s artifact, decided and written by another process: known by it
     here until then, its readers waiting for its manifest on disk (`wait_for_manifest`)."""
 
     def wait() -> None:
-        wait_for_manifest(path, alive=alive)
+        wait_for_manifest(path, alive=alive, failed=failed)
         settled(path)
 
     register(path, manifest, wait)

@@ -41,12 +41,16 @@ class BackgroundSaves:
         """The save threads not yet waited for, in the order they were handed over."""
         self.failed: list[tuple[str, BaseException]] = []
         """(artifact, error) of the saves that failed, until a `wait_for_background` reports them."""
+        self.on_failure: list[Callable[[str, BaseException], None]] = []
+        """Told of each failed save as it fails (a resident worker tells its driver, which may be
+        waiting for that artifact's manifest: cluster/worker.py)."""
 
     def reset(self) -> None:
         """Wait for every save in flight (failures reported on stderr, not raised), then allow
-        none: the state of a fresh process."""
+        none and tell no one: the state of a fresh process."""
         wait_for_background(raise_errors=False)
         self.allowed = False
+        self.on_failure.clear()
 
 
 #: This process's background saves (see the module doc).
@@ -76,8 +80,15 @@ def in_background(save: Callable[[], None], what: str) -> None:
             before.join()
         try:
             save()
-        except BaseException as e:  # reported by the next wait_for_background
+        except BaseException as e:  # raised by the next wait_for_background; said at once
             BACKGROUND.failed.append((what, e))
+            print(f"rlpipe: writing {what} in the background failed ({type(e).__name__}: "
+                  f"{(str(e).splitlines() or [''])[0][:300]})", file=sys.stderr, flush=True)
+            for tell in list(BACKGROUND.on_failure):
+                try:
+                    tell(what, e)
+                except Exception as told:  # noqa: BLE001 (the failure itself is raised later anyway)
+                    print(f"rlpipe: could not report that failure ({told})", file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=target, name=f"rlpipe-save {what}")
     thread.start()

@@ -96,6 +96,7 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
         write_table_artifact(config.metrics_output, METRICS, table, stage=STAGE, config=resolved,
                              inputs=inputs, cache_key=key)
     summary = {name: value for step, name, value in rows if step == max(r[0] for r in rows) or step == 0}
+    handed = None
     for engine, field, kind in ((engines.critic, "critic_output", "critic"), (engines.policy, "output", "causal")):
         out = getattr(config, field)
         if engine is None or field in start.outputs_written:
@@ -117,7 +118,7 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
                         send=CHANNEL.send if sends else None, manifest_fields=dict(
                             stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                             extra={**extra, "written": "background"}, wall_time_s=time.time() - started))
-            _known_on_every_rank(out, decided, rank)
+            handed = _known_on_every_rank(out, decided, rank)
             if copy is not None:
                 remember(out, kind, copy, tokenizer)
             continue
@@ -132,7 +133,9 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
         if copy is not None:
             remember(out, kind, copy, tokenizer)  # the next rollout / values step reads it from memory
     torch.distributed.barrier()
-    policy = read_manifest(config.output)
+    # (a policy handed over is known by its decided manifest: its write may still run, or have
+    # failed, which the next wait for the background raises)
+    policy = handed if handed is not None else read_manifest(config.output)
     keep_warm(engines, unsaved_state_id(policy))
     if "train_state_output" in start.outputs_written:
         rekey_warm(unsaved_state_id(policy), saved_state_id(read_manifest(config.train_state_output).content_hash))
@@ -146,15 +149,18 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
     return policy
 
 
-def _known_on_every_rank(out: Path, decided: Manifest | None, rank: int) -> None:
+def _known_on_every_rank(out: Path, decided: Manifest | None, rank: int) -> Manifest:
     """Rank 0 decided the manifest of checkpoint `out`, written in its background: the other ranks
-    know it too (pending, its files waited for on disk), as `read_manifest` follows."""
+    know it too (pending, its files waited for on disk), as `read_manifest` follows. Returns it."""
     if torch.distributed.get_world_size() == 1:
-        return
+        assert decided is not None
+        return decided
     shared = [decided.model_dump_json() if decided is not None else None]
     torch.distributed.broadcast_object_list(shared, src=0)
+    manifest = Manifest.model_validate_json(shared[0])
     if rank != 0:
-        register_elsewhere(out, Manifest.model_validate_json(shared[0]))
+        register_elsewhere(out, manifest)
+    return manifest
 
 
 def _hands_over() -> bool:

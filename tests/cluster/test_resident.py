@@ -372,3 +372,15 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     assert again.wait(600) == 0, again.output
     assert _hashes(local / "runs" / "mini") == _hashes(reference.run_dir)
     assert_like_reference(local / "runs" / "mini", reference.run_dir)
+
+    # 4. the resident optimize's background write of policy 1 fails (a full disk): the driver, which
+    # waits for that policy, stops at once with the cause, and the same command then resumes
+    failing = root / "full"
+    d = Driver(failing, preset, env={"PYTHONPATH": f"{TESTS}{os.pathsep}{HOOKS}",
+                                     "RLPIPE_TEST_WORKER_FAIL": "rlpipe.stages.common.handoff:write_manifest@2"})
+    assert d.wait(300) == 2, d.output
+    assert "Traceback" not in d.output and d.output.count("error:") == 1, d.output
+    assert "optimize worker 0 could not finish writing" in d.output and "No space left on device" in d.output
+    again = Driver(failing, preset)
+    assert again.wait(600) == 0, again.output
+    assert _hashes(failing / "runs" / "mini") == _hashes(reference.run_dir)

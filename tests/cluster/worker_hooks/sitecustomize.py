@@ -4,8 +4,9 @@ rlpipe reads these variables.
 
 RLPIPE_TEST_WORKER_PAUSE='package.module:attribute@N': the N-th call of that function in a process
 writes the process's pid to $RLPIPE_TEST_WORKER_PAUSE_FILE (created once: the first process to get
-there holds) and sleeps. The module is patched as it is imported, so a process that never imports
-it pays nothing.
+there holds) and sleeps. RLPIPE_TEST_WORKER_FAIL='package.module:attribute@N': the N-th call raises
+OSError 28 (no space left on device) instead. The module is patched as it is imported, so a process
+that never imports it pays nothing.
 """
 
 import importlib.abc
@@ -23,6 +24,8 @@ def _pause(module, attr: str, nth: int, pause_file: str) -> None:
     def paused(*args, **kwargs):
         calls[0] += 1
         if calls[0] == nth:
+            if pause_file == "disk-full":  # (RLPIPE_TEST_WORKER_FAIL: the call fails as on a full disk)
+                raise OSError(28, "No space left on device")
             hold_once(pause_file)
         return real(*args, **kwargs)
 
@@ -57,3 +60,8 @@ if _spec:
     _ref, _, _nth = _spec.partition("@")
     _module, _, _attr = _ref.partition(":")
     sys.meta_path.insert(0, _PatchOnImport(_module, _attr, int(_nth or 1), os.environ["RLPIPE_TEST_WORKER_PAUSE_FILE"]))
+_spec = os.environ.get("RLPIPE_TEST_WORKER_FAIL")
+if _spec:
+    _ref, _, _nth = _spec.partition("@")
+    _module, _, _attr = _ref.partition(":")
+    sys.meta_path.insert(0, _PatchOnImport(_module, _attr, int(_nth or 1), "disk-full"))
