@@ -98,6 +98,9 @@ class ResidentGroup:
         """The processes of the members that failed the stop order (`stop`)."""
         self.bell = group.bell().listen()
         """Rung by every answer: the driver waits on it (POLL_S at most) instead of sleeping."""
+        self.writing: set[Path] = set()
+        """What the members answered their last order with as still written in the background
+        (the policy sent over the weight channel): their next order waits for it itself."""
 
     def run(self, call: StageCall, force: bool, logs: Path, send_weights_to: ResidentGroup | None = None) -> Path:
         """Send `call` as the next order and wait for every member's answer; returns the first
@@ -119,8 +122,10 @@ class ResidentGroup:
         self._wait(out)
         if (failed := self.failed_write()) is not None:  # (what it answered with will never be complete)
             raise failed
+        self.writing = set()
         for answer in self.group.answers(self.seq, self.members).values():
             for path, manifest in answer.get("writing", {}).items():
+                self.writing.add(Path(path).absolute())
                 register_elsewhere(path, Manifest.model_validate_json(manifest), alive=self.alive,
                                    failed=self.failed_write)
         return out[0]
@@ -294,7 +299,8 @@ class ResidentGroups:
             group = self.groups[call.name] = self._start(call, p, logs.parent)
         if not self.takes_weights(call.name):
             for path in call.config.inputs().values():
-                wait_until_written(path)  # (a policy still written by optimize's member: its file)
+                if Path(path).absolute() not in group.writing:  # (its own writes: the stage waits for them)
+                    wait_until_written(path)  # (a policy still written by optimize's member: its file)
         try:
             return group.run(call, force, logs, send_weights_to=self._receivers(call.name))
         except BaseException:

@@ -88,7 +88,7 @@ def pending_manifest(path: Path | str) -> Manifest | None:
 
 
 def wait_for_manifest(path: Path | str, *, alive: Callable[[], bool] | None = None,
-                      failed: Callable[[], Exception | None] | None = None, poll_s: float = 0.05) -> None:
+                      failed: Callable[[], Exception | None] | None = None, poll_s: float = 0.01) -> None:
     """Return once artifact `path`'s manifest is on disk (written last by its writer, in another
     process); `alive()`, when given, is asked at each look and False ends the wait with a
     MachineError (the writer's process lost before the artifact was complete: a rerun makes it
