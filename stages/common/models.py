@@ -121,10 +121,8 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
     path = Path(path)
     if slot is not None and (delivered := _from_channel(slot, path, kind)) is not None:
         return delivered.model, delivered.tokenizer
-    held = cache and (pending_manifest(path) is not None or (path / MANIFEST_NAME).is_file())
-    if held and (checkpoint_key(path), kind) in MODELS.cache:
-        # its content is in memory (the policy optimize just handed over, its files maybe still
-        # being written: handoff.py): its files are not read, so there is nothing to verify
+    if cache and pending_manifest(path) is not None and (checkpoint_key(path), kind) in MODELS.cache:
+        # the policy optimize just handed over in memory, its files still being written (handoff.py)
         if slot is not None:
             MODELS.last_load[slot] = "cache"
         return MODELS.cache[(checkpoint_key(path), kind)]
