@@ -215,7 +215,7 @@ class JobGroup:
 def delete_and_wait(docs: list[dict[str, Any]], job: str, ns: list[str], grace: float) -> None:
     """Delete the objects `docs` made, then wait for the pods of Job `job` to be gone (a pod on a
     lost node is never confirmed gone: the wait ends after grace + 60 s; the members' heartbeats
-    then tell, `rlpipe.cluster.resident.wait_gone`)."""
+    then tell, `rlpipe.cluster.workorders.wait_gone`)."""
     for doc in docs:
         _kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], *ns, "--ignore-not-found",
                  f"--grace-period={int(grace)}", "--wait=false", check=False)

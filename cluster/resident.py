@@ -34,24 +34,24 @@ from rlpipe.cluster.failures import StageLaunchError, killed_by, root_cause
 from rlpipe.cluster.logs import stage_log
 from rlpipe.cluster.placement import Launch, StagePlacement
 from rlpipe.cluster.workorders import (
+    ABANDON_WAIT_S,
     POLL_S,
     WORKERS_DIR,
     GroupDir,
     bells_dir,
-    live_members,
+    remove_worker_files,
     still_running,
+    still_running_error,
+    sweep,
+    wait_gone,
 )
-from rlpipe.schemas.errors import ArtifactError, MachineError
+from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_until_written
 from rlpipe.stages import StageCall, get_stage
 
 #: Seconds a stopped group gets to leave before it is killed.
 STOP_GRACE_S = 10.0
-#: Seconds a later driver waits for the members of an earlier driver's groups to leave.
-ABANDON_WAIT_S = 30.0
-#: A member heartbeat older than this (s) means the member is gone (it beats every second).
-MEMBER_TIMEOUT_S = 10.0
 
 
 class Handle(Protocol):
@@ -342,7 +342,7 @@ class ResidentGroups:
         old = self._leaving.pop(call.name, None)
         if old is not None and not old.wait_gone(ABANDON_WAIT_S):  # (a retry: never beside the old members)
             self._leaving[call.name] = old
-            raise _still_running(old.group, f"the failed {call.name} group")
+            raise still_running_error(old.group, f"the failed {call.name} group")
         run_dir = logs_root.parent
         if run_dir not in self._swept:  # groups an earlier (killed) driver of this run left
             sweep(run_dir / WORKERS_DIR)
@@ -388,7 +388,7 @@ class ResidentGroups:
         self._beating.clear()
         for run_dir in self._swept:
             with contextlib.suppress(OSError):
-                _remove_files(run_dir / WORKERS_DIR)  # (the weight channel's address, for this run)
+                remove_worker_files(run_dir / WORKERS_DIR)  # (the weight channel's address, for this run)
                 (run_dir / WORKERS_DIR).rmdir()  # (only when empty)
         if failures and wait:  # the run's last train state (written in the background) is missing
             group, member, code = failures[0]
@@ -396,51 +396,3 @@ class ResidentGroups:
             raise StageLaunchError(group.stage, code, log or group.group.path, "it did not answer the stop order: "
                                    "its last background save (the run's last train state) is unfinished",
                                    member, group.pids.get(member), lost=code is None)
-
-
-def sweep(workers: Path) -> None:
-    """Abandon the groups in `workers` (left by an earlier driver of the run, which was killed),
-    wait until their members have left, and remove them: a new group never starts while an old
-    member may still write into the run (MachineError if one still runs after ABANDON_WAIT_S)."""
-    if not workers.is_dir():
-        return
-    old = [GroupDir(d) for d in sorted(workers.iterdir()) if (d / "group.json").is_file()]
-    for g in old:
-        g.abandon()
-    still = wait_gone(old, ABANDON_WAIT_S)
-    if still:
-        raise _still_running(still[0], "an earlier driver of this run")
-    for d in workers.iterdir():
-        if d.is_dir():
-            shutil.rmtree(d, ignore_errors=True)
-    _remove_files(workers)
-
-
-def _remove_files(workers: Path) -> None:
-    """The files of a run's workers/ folder, beside its groups' folders: the weight channel's
-    address (stages/common/weight_channel.py), written by optimize's rank 0."""
-    for f in workers.iterdir():
-        if f.is_file():
-            f.unlink(missing_ok=True)
-
-
-def wait_gone(groups: list[GroupDir], timeout: float) -> list[GroupDir]:
-    """Wait until no member of `groups` may still run (each left, or its process on this host is
-    gone, or its heartbeat stopped for MEMBER_TIMEOUT_S), at most `timeout` s; returns the groups
-    with a member that may still run."""
-    seen: dict[Path, dict] = {}
-    deadline = time.monotonic() + timeout
-    while True:
-        groups = [g for g in groups if live_members(g, MEMBER_TIMEOUT_S, seen.setdefault(g.path, {}))]
-        if not groups or time.monotonic() >= deadline:
-            return groups
-        time.sleep(0.2)
-
-
-def _still_running(group: GroupDir, whose: str) -> MachineError:
-    members = [group.member_record(m) or {} for m in live_members(group, MEMBER_TIMEOUT_S, {})]
-    where = ", ".join(f"pid {r.get('pid')} on {r.get('host')}" for r in members) or "unknown processes"
-    return MachineError(f"workers of {whose} ({group.path}: {where}) still run after being told to leave "
-                        f"{ABANDON_WAIT_S:.0f} s ago, so a new group could not start without two workers writing "
-                        "one output: end those processes (or wait for their node to come back or be removed), "
-                        "then rerun the same command")

@@ -24,6 +24,10 @@ bell, whoever answers rings the driver's (`Doorbell`: a named pipe per listener 
 temporary folder, outside the run directory). A listener on the writer's machine wakes at once; one
 on another node hears nothing and finds the file at its next look, every POLL_S, as before.
 
+A driver killed with its groups running leaves their folders behind: the next driver of the run
+tells those members to leave, waits until they are gone and removes the folders (`sweep`) before
+it starts groups of its own, so two members never write one output.
+
 Members watch the driver (`driver_gone`): on the driver's host by its pid and start time, on
 other hosts by its heartbeat, which must change within `driver_timeout_s` (measured on the
 member's own clock, so clock skew between nodes plays no part). Every write is atomic (a
@@ -37,6 +41,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import socket
 import stat
 import tempfile
@@ -46,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.schemas.atomic import atomic_write_json
+from rlpipe.schemas.errors import MachineError
 
 #: Where a run's resident groups live, under the run directory.
 WORKERS_DIR = "workers"
@@ -331,3 +337,59 @@ class Doorbell:
             self.path.unlink()
         except OSError:
             pass
+
+
+# -- a killed driver's groups ------------------------------------------------------------------
+#: Seconds a later driver waits for the members of an earlier driver's groups to leave.
+ABANDON_WAIT_S = 30.0
+#: A member heartbeat older than this (s) means the member is gone (it beats every second).
+MEMBER_TIMEOUT_S = 10.0
+
+
+def sweep(workers: Path) -> None:
+    """Abandon the groups in `workers` (left by an earlier driver of the run, which was killed),
+    wait until their members have left, and remove them: a new group never starts while an old
+    member may still write into the run (MachineError if one still runs after ABANDON_WAIT_S)."""
+    if not workers.is_dir():
+        return
+    old = [GroupDir(d) for d in sorted(workers.iterdir()) if (d / "group.json").is_file()]
+    for g in old:
+        g.abandon()
+    still = wait_gone(old, ABANDON_WAIT_S)
+    if still:
+        raise still_running_error(still[0], "an earlier driver of this run")
+    for d in workers.iterdir():
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+    remove_worker_files(workers)
+
+
+def remove_worker_files(workers: Path) -> None:
+    """The files of a run's workers/ folder, beside its groups' folders: the weight channel's
+    address (stages/common/weight_channel.py), written by optimize's rank 0."""
+    for f in workers.iterdir():
+        if f.is_file():
+            f.unlink(missing_ok=True)
+
+
+def wait_gone(groups: list[GroupDir], timeout: float) -> list[GroupDir]:
+    """Wait until no member of `groups` may still run (each left, or its process on this host is
+    gone, or its heartbeat stopped for MEMBER_TIMEOUT_S), at most `timeout` s; returns the groups
+    with a member that may still run."""
+    seen: dict[Path, dict] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        groups = [g for g in groups if live_members(g, MEMBER_TIMEOUT_S, seen.setdefault(g.path, {}))]
+        if not groups or time.monotonic() >= deadline:
+            return groups
+        time.sleep(0.2)
+
+
+def still_running_error(group: GroupDir, whose: str) -> MachineError:
+    """The error of a group whose members still run after being told to leave."""
+    members = [group.member_record(m) or {} for m in live_members(group, MEMBER_TIMEOUT_S, {})]
+    where = ", ".join(f"pid {r.get('pid')} on {r.get('host')}" for r in members) or "unknown processes"
+    return MachineError(f"workers of {whose} ({group.path}: {where}) still run after being told to leave "
+                        f"{ABANDON_WAIT_S:.0f} s ago, so a new group could not start without two workers writing "
+                        "one output: end those processes (or wait for their node to come back or be removed), "
+                        "then rerun the same command")

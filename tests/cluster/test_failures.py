@@ -218,6 +218,7 @@ def test_a_new_group_waits_until_the_old_members_are_gone(tmp_path, monkeypatch)
     from rlpipe.stages import StageCall
 
     monkeypatch.setattr(module, "ABANDON_WAIT_S", 1.0)
+    monkeypatch.setattr("rlpipe.cluster.workorders.ABANDON_WAIT_S", 1.0)  # (an earlier driver's groups: `sweep`)
     old = GroupDir.create(tmp_path, "task", 1, driver_timeout_s=60)
     old.member_started(0, this_process())  # this process: alive, and beating below
     beating = threading.Event()

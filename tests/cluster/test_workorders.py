@@ -9,13 +9,13 @@ import subprocess
 import sys
 import time
 
-from rlpipe.cluster.resident import sweep
 from rlpipe.cluster.workorders import (
     DriverWatch,
     GroupDir,
     live_members,
     process_start,
     still_running,
+    sweep,
     this_process,
 )
 
