@@ -43,16 +43,16 @@ def test_an_order_rings_each_member_and_an_answer_the_driver(tmp_path, monkeypat
     child = subprocess.Popen([sys.executable, "-c", ring, str(group.path)], env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     started = time.monotonic()
     while group.order_file(1).is_file() is False:
-        member.wait(30.0)
+        member.wait(120.0)
     woke = time.monotonic() - started
-    assert child.wait(30) == 0 and 1.0 <= woke < 10.0  # woken by the ring, long before the 30 s timeout
+    assert child.wait(60) == 0 and 1.0 <= woke < 60.0  # woken by the ring, long before the 120 s timeout
     started = time.monotonic()
     driver.wait(0.3)  # no ring: the timeout
-    assert 0.3 <= time.monotonic() - started < 5.0
+    assert 0.25 <= time.monotonic() - started < 30.0
     group.answer(1, 1, {"exit_code": 0})
     started = time.monotonic()
-    driver.wait(30.0)
-    assert time.monotonic() - started < 5.0
+    driver.wait(120.0)
+    assert time.monotonic() - started < 60.0
     for bell in (driver, member):
         bell.close()
     assert list((tmp_path / "tmp").glob("rlpipe-bells-*/*")) == []
