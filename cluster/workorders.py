@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.schemas.atomic import atomic_write_json
-from rlpipe.schemas.errors import MachineError
+from rlpipe.schemas.errors import MachineError, UserError
 
 #: Where a run's resident groups live, under the run directory.
 WORKERS_DIR = "workers"
@@ -191,8 +191,6 @@ class GroupDir:
     def background_failed(self, member: int, what: str, error: BaseException) -> None:
         """A member's write of `what` in the background failed: its driver, which may be waiting
         for that artifact, learns it at its next look (`background_failure`)."""
-        from rlpipe.schemas.errors import UserError
-
         atomic_write_json(self.path / "members" / f"{member}.failed",
                           {"what": what, "error": f"{type(error).__name__}: {error}",
                            "user_error": isinstance(error, UserError), "time": time.time()})
