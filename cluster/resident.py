@@ -163,6 +163,9 @@ class ResidentGroup:
             failed = sorted((m for m, a in answers.items() if a["exit_code"] != 0),
                             key=lambda m: (killed_by(answers[m]["exit_code"]) is not None, m))
             if failed:
+                # (a failed background write, a full disk, is the cause of the order that found it)
+                if (write := self.failed_write()) is not None:
+                    raise write
                 first = answers[failed[0]]
                 # A peer lost mid-order makes the others fail too (a collective whose rank died,
                 # a save it shared): the loss is the cause.

@@ -373,8 +373,9 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     assert _hashes(local / "runs" / "mini") == _hashes(reference.run_dir)
     assert_like_reference(local / "runs" / "mini", reference.run_dir)
 
-    # 4. the resident optimize's background write of policy 1 fails (a full disk): the driver, which
-    # waits for that policy, stops at once with the cause, and the same command then resumes
+    # 4. the resident optimize's background write of policy 1 fails (a full disk): the driver stops with
+    # that cause alone, whether it finds it waiting for the policy or in optimize's next order (which
+    # fails on it), and the same command then resumes
     failing = root / "full"
     d = Driver(failing, preset, env={"PYTHONPATH": f"{TESTS}{os.pathsep}{HOOKS}",
                                      "RLPIPE_TEST_WORKER_FAIL": "rlpipe.stages.common.handoff:write_manifest@2"})
