@@ -226,10 +226,12 @@ def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int
     loop = statistics.median(plain_s[k] for k in measured)
     split = {name: statistics.median(v[k] for k in measured)
              for name, v in _split(records, pipeline_s, run_dir, measured).items()}
+    by_stage = {name: statistics.median(r.seconds.get(name, 0.0) for r in records if r.iteration in measured)
+                for name in records[measured.start].seconds if name != "total"}
     written = [_bytes_written(run_dir, k) for k in measured]
     figures = {"pipeline_s": pipe, "plain_s": loop, "ratio": pipe / loop, "split_s": split,
                "bytes": statistics.median(w[0] for w in written),
-               "critical_bytes": statistics.median(w[1] for w in written),
+               "critical_bytes": statistics.median(w[1] for w in written), "stage_s": by_stage,
                "plain_split_s": {name: statistics.median(plain[0].phases[k][name] for k in measured)
                                  for name in plain[0].phases[0]}}
     print(f"\npreset {preset.name}: {total} iterations, measured {measured.start}..{measured.stop - 1} "
@@ -244,6 +246,7 @@ def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int
     print(f"plain PyTorch loop: median {loop:.3f} s/iteration")
     print(f"ratio pipeline / plain: {pipe / loop:.2f}x")
     print("pipeline split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    print("pipeline stages (median s, with their IO): " + ", ".join(f"{k} {v:.3f}" for k, v in by_stage.items()))
     print("plain loop split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in figures["plain_split_s"].items()))
     print(f"bytes written per iteration: {figures['bytes'] / 1e6:.1f} MB, on the critical path "
           f"{figures['critical_bytes'] / 1e6:.1f} MB")

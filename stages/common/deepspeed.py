@@ -87,7 +87,19 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], *,
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                       lr_scheduler=scheduler, config=config)
     _undo_state_init_step(engine)
+    _no_allreduce_alone(engine)
     return engine
+
+
+def _no_allreduce_alone(engine: Any) -> None:
+    """Skip ZeRO 0's gradient all-reduce when the engine is its data-parallel group's only rank.
+
+    There DeepSpeed's all-reduce is the identity, g = (1/1) sum_{r<1} g_r, paid as three full
+    copies of every gradient (flattened into a bucket, divided by 1, copied back): 0.3 s per step at
+    80M parameters on this CPU, 5% of the step. ZeRO 1-3 reduce in their optimizer (their
+    partition bookkeeping needs it), so they keep it."""
+    if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
+        engine.enable_backward_allreduce = False
 
 
 def _undo_state_init_step(engine: Any) -> None:
