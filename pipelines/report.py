@@ -22,6 +22,7 @@ Prefect artifacts all show these numbers, under these names (their labels: `disp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -241,27 +242,47 @@ def write_report(run_dir: Path | str, *, live: bool = False, plot: bool = True) 
     keeps the curves.png there is (a live report between re-plots: the matplotlib render costs more
     than the tables). Each file is written beside and renamed into place (when it changed), so a
     reader never sees half a file."""
+    return render_report(report_inputs(run_dir), live=live, plot=plot)
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """What a report shows, read from the run (`report_inputs`): `render_report` reads nothing
+    else of it, so a live report renders in a thread while the run goes on (sinks.RunMonitor)."""
+
+    run_dir: Path
+    table: Any
+    """`run_table`"""
+    initial: dict[str, float]
+    """the held-out metrics before training (empty without that evaluation)"""
+    samples: tuple[int, Any] | None
+    """(shown iteration, `sample_completions`) of the latest iteration with rollouts"""
+
+
+def report_inputs(run_dir: Path | str) -> ReportInputs:
     run_dir = Path(run_dir)
-    out = run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    table = run_table(run_dir)
     initial = eval_metrics(run_dir / INITIAL_EVAL_DIR) if exists(run_dir / INITIAL_EVAL_DIR) else {}
+    latest = next((k for k, d in reversed(iteration_dirs(run_dir)) if exists(d / "rollouts")), None)
+    samples = None if latest is None else (shown_iteration(latest), sample_completions(run_dir, latest))
+    return ReportInputs(run_dir, run_table(run_dir), initial, samples)
+
+
+def render_report(inputs: ReportInputs, *, live: bool = False, plot: bool = True) -> Path:
+    """The report's files from `inputs` (see `write_report`); returns the folder."""
+    name, table, initial = inputs.run_dir.name, inputs.table, inputs.initial
+    out = inputs.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
     if plot or not (out / "curves.png").is_file():
-        png = plot_curves(table, initial, f"rlpipe run {run_dir.name}")
+        png = plot_curves(table, initial, f"rlpipe run {name}")
         write_if_changed(out / "curves.png", png)
     else:
         png = (out / "curves.png").read_bytes()
-    lines = [f"# Run {run_dir.name}", "", NOTE, ""]
+    lines = [f"# Run {name}", "", NOTE, ""]
     if initial:
         lines += ["Held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in initial.items()), ""]
     lines.append(markdown_table(table))
     write_if_changed(out / "metrics.md", ("\n".join(lines) + "\n").encode())
-    iters = iteration_dirs(run_dir)
-    samples = None
-    latest = next((k for k, d in reversed(iters) if exists(d / "rollouts")), None)
-    if latest is not None:
-        samples = (shown_iteration(latest), sample_completions(run_dir, latest))
-    page = render_html(run_dir.name, table, png, initial, samples, live=live)
+    page = render_html(name, table, png, initial, inputs.samples, live=live)
     write_if_changed(out / "index.html", page.encode())
     return out
 
@@ -270,29 +291,26 @@ def plot_curves(table, initial: dict[str, float], title: str) -> bytes:
     """curves.png, as bytes (see `curves_figure`)."""
     import io
 
-    import matplotlib.pyplot as plt
-
     fig = curves_figure(table, initial, title)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
     return buf.getvalue()
 
 
 def curves_figure(table, initial: dict[str, float], title: str):
     """One panel per `shown_panels` column against the shown iteration, integer ticks; held-out
-    accuracy starts at 0 with the evaluation before training. The caller closes the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    accuracy starts at 0 with the evaluation before training."""
+    # A bare Figure, not pyplot: no global figure registry, so a thread may render it (a live
+    # report) and nothing needs closing.
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     panels = shown_panels(table) if not table.is_empty() else []
     cols = 4
     rows = max((len(panels) + cols - 1) // cols, 1)
     # constrained layout: laid out during the one draw savefig makes (tight_layout draws twice)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False, layout="constrained")
+    fig = Figure(figsize=(4 * cols, 3 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, key in zip(axes.flat, panels, strict=False):
         data = table.select("iteration", key).drop_nulls()
         x, y = data["iteration"].to_list(), data[key].to_list()

@@ -124,7 +124,7 @@ class Pipeline:
         self.plan.check_inputs()
         self._start_run_dir()
         # Metric sinks + the report after every iteration (neither on a read-only run directory).
-        self._monitor, self._writable = RunMonitor(p, L.root, enabled=writable), writable
+        self.monitor, self._writable = RunMonitor(p, L.root, enabled=writable), writable
         setup: dict[str, float] = {}
         for call in self.plan.setup():
             self.execute(call, setup)
@@ -145,7 +145,7 @@ class Pipeline:
         self.launcher.close(wait=True)
         if writable:
             prune_run(L.root, p.keep, staleness=self.plan.staleness, log=self.log)
-        monitor = self._monitor
+        monitor = self.monitor
         monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
@@ -167,7 +167,7 @@ class Pipeline:
         record = IterationRecord(k, seconds, self._iteration_metrics(k))
         self.records.append(record)
         self.log(self._line(record))
-        self._monitor.on_iteration(record)
+        self.monitor.on_iteration(record)
         if self.on_iteration is not None:
             self.on_iteration(record)
         if self._writable:  # what `keep` no longer keeps goes once the iteration is complete

@@ -26,6 +26,8 @@ A sink is a class with `log_hparams(dict)`, `log_iteration(step, metrics, sample
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -212,6 +214,7 @@ class RunMonitor:
         self._written_at: float | None = None  # perf_counter of the live report's last write
         self._plotted_at: float | None = None  # and of its last curves.png
         self._plot_s = 0.0  # what that plot cost
+        self._live: threading.Thread | None = None  # the live report being rendered, if one is
 
     def _open(self) -> list[Sink]:
         if self.sinks is None:
@@ -223,7 +226,7 @@ class RunMonitor:
 
     def on_iteration(self, record: Any) -> None:
         """After iteration `record.iteration` (an IterationRecord, or anything with .iteration)."""
-        from rlpipe.pipelines.report import iteration_row, sample_completions, write_report
+        from rlpipe.pipelines.report import iteration_row, report_inputs, sample_completions
 
         if not self.enabled:
             return
@@ -237,19 +240,41 @@ class RunMonitor:
                 sink.log_iteration(step, row, samples)
         # The report is rewritten when the page's next reload can show it (REFRESH_SECONDS since
         # the last write), its curves.png (a matplotlib render, 0.1-2 s on a CPU: more than a tiny
-        # iteration) also at most 1/PLOT_SHARE of the run; `close` writes the final one.
+        # iteration) also at most 1/PLOT_SHARE of the run; `close` writes the final one. What it
+        # shows is read here (milliseconds: each iteration's row is cached), and rendered and
+        # written by a thread while the next iteration runs: off the critical path.
         now = time.perf_counter()
-        if not report_due(now, self._written_at, interval=REFRESH_SECONDS):
+        if (self._live is not None and self._live.is_alive()) or not report_due(
+                now, self._written_at, interval=REFRESH_SECONDS):
             return
         plot = report_due(now, self._plotted_at, interval=REFRESH_SECONDS, cost=self._plot_s, share=PLOT_SHARE)
-        write_report(self.run_dir, live=True, plot=plot)
         self._written_at = now
+        self._live = threading.Thread(target=self._render_live, args=(report_inputs(self.run_dir), plot),
+                                      name="rlpipe-live-report", daemon=True)
+        self._live.start()
+
+    def _render_live(self, inputs: Any, plot: bool) -> None:
+        from rlpipe.pipelines.report import render_report
+
+        started = time.perf_counter()
+        try:
+            render_report(inputs, live=True, plot=plot)
+        except Exception as e:  # noqa: BLE001 (a report is no reason to stop training; the final one is written again)
+            print(f"rlpipe: the live report could not be written ({type(e).__name__}: {e})", file=sys.stderr,
+                  flush=True)
+            return
         if plot:
-            self._plotted_at, self._plot_s = now, time.perf_counter() - now
+            self._plotted_at, self._plot_s = started, time.perf_counter() - started
+
+    def wait_live(self) -> None:
+        """Until the live report being rendered (if one is) is written."""
+        if self._live is not None:
+            self._live.join()
 
     def close(self) -> None:
         from rlpipe.pipelines.report import write_report
 
+        self.wait_live()
         for sink in self.sinks or []:
             sink.close()
         self.sinks = None

@@ -36,8 +36,11 @@ def mini_run(tmp_path_factory) -> MiniRun:
     try:
         run = MiniRun(root / "runs" / "mini", [], [])
         pipeline = Pipeline(load_preset(preset_file), run.run_dir, log=run.lines.append)
-        pipeline.on_iteration = lambda r: run.pages_during_run.append(
-            (run.run_dir / "report" / "index.html").read_text())
+        def page_during_run(record) -> None:
+            pipeline.monitor.wait_live()  # (rendered by a thread while the next iteration runs)
+            run.pages_during_run.append((run.run_dir / "report" / "index.html").read_text())
+
+        pipeline.on_iteration = page_during_run
         run.records = pipeline.run()
     finally:
         for k, v in saved.items():
