@@ -16,13 +16,8 @@ from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
 from rlpipe.schemas.reading import read_manifest
-from rlpipe.stages.common.weight_channel import (
-    CONNECT_TIMEOUT_S,
-    Buffer,
-    Delivery,
-    Receiver,
-    Sender,
-)
+from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Receiver, Sender
+from rlpipe.stages.common.weight_delivery import Delivery
 
 
 class WeightChannel:

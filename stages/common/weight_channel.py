@@ -13,6 +13,9 @@ rollout member, while it writes the same bytes to disk in the background as the 
   rendezvous (a TCPStore on a free port) and writes the address to `<workers>/weight-channel.json`;
   each rollout member joins from a receiving thread. A channel that breaks (a member killed, a timeout) is abandoned; the sender
   opens a new generation (a new address) at its next send and the members that are alive join it.
+- Members on the sender's machine (all of a generation's: tried with a probe at the join) get
+  the bytes through one file in shared memory instead of the broadcasts, which on one machine still
+  cross the loopback's TCP stack (shared_weights.py: one copy instead of a socket's several).
 - What is sent are the checkpoint's files themselves (the safetensors bytes `save_pretrained`
   writes, serialised in memory by handoff.py), so the receiver checks every file's size and hash
   against the manifest it was sent: the copy it loads is the checkpoint, bit for bit.
@@ -44,8 +47,9 @@ from typing import Any
 import torch
 
 from rlpipe.schemas.atomic import atomic_write_json
-from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
+from rlpipe.stages.common import shared_weights
+from rlpipe.stages.common.weight_delivery import Delivery, check_delivery
 
 #: Bytes as the sender holds them (a file's, or a piece of one).
 Buffer = bytes | bytearray | memoryview
@@ -74,6 +78,10 @@ class Address:
     group: str
     """The receiving group (its folder's name): a group the driver starts anew gets a generation
     of its own, and its members join no generation made for the one before."""
+    probe: str | None = None
+    """A shared-memory probe file (shared_weights.py): a member that reads back `nonce` from it
+    shares the sender's memory."""
+    nonce: str | None = None
 
     def write(self, folder: Path) -> None:
         atomic_write_json(folder / ADDRESS_FILE, self.__dict__)
@@ -84,52 +92,6 @@ class Address:
             return cls(**json.loads((folder / ADDRESS_FILE).read_text()))
         except (OSError, ValueError, TypeError):
             return None
-
-
-@dataclass
-class Delivery:
-    """A checkpoint received in full: its manifest and each file's bytes (a uint8 tensor)."""
-
-    policy: Path
-    manifest: Manifest
-    files: dict[str, torch.Tensor]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of its *.safetensors files, as views of the received bytes (no copy)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, data in sorted(self.files.items()):
-            if name.endswith(".safetensors"):
-                out.update(safetensors_views(data))
-        return out
-
-    def small_files(self) -> dict[str, bytes]:
-        """Every file but the weights (config, generation config, tokenizer), as bytes."""
-        return {name: data.numpy().tobytes() for name, data in self.files.items()
-                if not name.endswith(".safetensors")}
-
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in memory as a uint8 tensor, as views of it.
-
-    The format: an 8-byte little-endian header length n, n bytes of JSON header
-    (name -> dtype, shape, [begin, end) in the data that follows), then the data."""
-    raw = data.numpy()
-    n = int.from_bytes(raw[:8].tobytes(), "little")
-    header = json.loads(raw[8:8 + n].tobytes())
-    base = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = _DTYPES[info["dtype"]]
-        out[name] = data[base + begin:base + end].view(dtype).view(info["shape"])
-    return out
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:
@@ -185,8 +147,11 @@ class Sender:
     """Optimize rank 0's end: hosts each generation's rendezvous and broadcasts checkpoints."""
 
     def __init__(self, folder: Path, receivers: int, *, backend: str = "gloo", timeout_s: float = CONNECT_TIMEOUT_S,
-                 host: str | None = None, bucket_bytes: int = BUCKET_BYTES):
+                 host: str | None = None, bucket_bytes: int = BUCKET_BYTES, shared_memory: bool = True):
         self.folder, self.receivers, self.backend = Path(folder), receivers, backend
+        self.shared_memory = shared_memory  # (offered to the members of this machine: shared_weights.py)
+        self.local = False  # whether every member of this generation shares this process's memory
+        self.shared_files: list[Path] = []  # hand-offs written to shared memory, not yet let go
         self.timeout_s, self.host, self.bucket_bytes = timeout_s, host, bucket_bytes
         self.group: Any = None
         self.store: Any = None
@@ -203,9 +168,20 @@ class Sender:
         host = self.host or this_host()
         self.store = torch.distributed.TCPStore(host, 0, self.receivers + 1, is_master=True,
                                                 timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
-        Address(self.generation, host, self.store.port, self.receivers, self.backend, receiving_group).write(self.folder)
+        probe = None
+        if self.shared_memory:
+            shared_weights.sweep()
+            probe = shared_weights.probe(str(self.generation))
+        Address(self.generation, host, self.store.port, self.receivers, self.backend, receiving_group,
+                *(probe or (None, None))).write(self.folder)
         prefixed = torch.distributed.PrefixStore(f"weights/{self.generation}", self.store)
-        self.group = _new_group(self.backend, prefixed, 0, self.receivers + 1, self.timeout_s)
+        try:
+            self.group = _new_group(self.backend, prefixed, 0, self.receivers + 1, self.timeout_s)
+            # (each member said whether it read the probe before joining the group)
+            self.local = probe is not None and all(
+                self.store.get(f"weights/{self.generation}/local/{m}") == b"1" for m in range(self.receivers))
+        finally:
+            shared_weights.remove(probe and probe[0])
 
     def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
              receiving_group: str) -> bool:
@@ -216,22 +192,29 @@ class Sender:
         started = time.perf_counter()
         pieces = {name: [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
                   for name, data in files.items()}
+        shared = None
         try:
             if self.group is None or receiving_group != self.receiving_group:
                 self._open(receiving_group)
+            self.sent += 1
+            # The previous hand-off's file is mapped by now (a member maps it as the header comes,
+            # an iteration ago) or never will be (its member is gone): it goes.
+            self._let_go()
+            if self.local:  # (None when it cannot be written: then broadcast)
+                shared = shared_weights.write(f"{self.generation}-{self.sent}", pieces)
             header = json.dumps({"policy": str(Path(policy).absolute()), "manifest": manifest.model_dump_json(),
                                  "files": [[name, [len(p) for p in parts]] for name, parts in pieces.items()],
-                                 "bucket": self.bucket_bytes})
-            self.sent += 1
+                                 "bucket": self.bucket_bytes, "shared": None if shared is None else str(shared),
+                                 "mapped": f"weights/{self.generation}/mapped/{self.sent}",
+                                 "receivers": self.receivers})
             # the header through the rendezvous store: a member waits for it there between hand-offs
-            # (a collective would time out while training runs), then takes part in the broadcasts
+            # (a collective would time out while training runs), then maps the shared file (the
+            # last one to map it removes it) or takes part in the broadcasts
             self.store.set(f"weights/{self.generation}/header/{self.sent}", header)
-            with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
-                warnings.simplefilter("ignore", UserWarning)
-                for parts in pieces.values():
-                    views = [torch.frombuffer(p, dtype=torch.uint8) if len(p) else None for p in parts]
-                    for spans in broadcast_plan([len(p) for p in parts], self.bucket_bytes):
-                        _broadcast(self.group, self._packed(views, spans))
+            if shared is not None:
+                self.shared_files.append(shared)
+            else:
+                self._broadcast_files(pieces)
         except Exception as e:  # a member gone, a timeout: this generation is over
             print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}: "
                   f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file", flush=True)
@@ -239,8 +222,16 @@ class Sender:
             return False
         size = sum(len(p) for parts in pieces.values() for p in parts)
         print(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
-              f"member(s) in {time.perf_counter() - started:.2f} s", flush=True)
+              f"member(s) in {time.perf_counter() - started:.2f} s{' (shared memory)' if shared else ''}", flush=True)
         return True
+
+    def _broadcast_files(self, pieces: Mapping[str, list[Buffer]]) -> None:
+        with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
+            warnings.simplefilter("ignore", UserWarning)
+            for parts in pieces.values():
+                views = [torch.frombuffer(p, dtype=torch.uint8) if len(p) else None for p in parts]
+                for spans in broadcast_plan([len(p) for p in parts], self.bucket_bytes):
+                    _broadcast(self.group, self._packed(views, spans))
 
     def _packed(self, views: list[torch.Tensor | None], spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """One broadcast's bytes: a span of one piece as it lies, or small pieces copied into a
@@ -257,13 +248,19 @@ class Sender:
             offset += end - begin
         return self._packing[:size]
 
+    def _let_go(self) -> None:
+        while self.shared_files:
+            shared_weights.remove(self.shared_files.pop())
+
     def close(self) -> None:
+        self._let_go()
         if self.group is not None:
             try:
                 self.group.abort()
             except Exception:  # noqa: BLE001 (a broken group may refuse; it is dropped anyway)
                 pass
         self.group = self.store = None
+        self.local = False
 
 
 class Receiver:
@@ -297,6 +294,8 @@ class Receiver:
             try:
                 store = torch.distributed.TCPStore(address.host, address.port, address.receivers + 1,
                                                    is_master=False, timeout=timedelta(seconds=self.timeout_s))
+                store.set(f"weights/{joined}/local/{self.member}",
+                          "1" if shared_weights.sees(address.probe, address.nonce) else "0")
                 group = _new_group(address.backend, torch.distributed.PrefixStore(f"weights/{joined}", store),
                                    self.member + 1, address.receivers + 1, self.timeout_s)
             except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
@@ -310,7 +309,7 @@ class Receiver:
                     if header is None:
                         break
                     received += 1
-                    self._receive(group, json.loads(header))
+                    self._receive(group, json.loads(header), store)
             except Exception as e:  # noqa: BLE001 (the sender gone, a timeout between sends: wait for a new generation)
                 with self._lock:
                     self._receiving = None
@@ -318,13 +317,19 @@ class Receiver:
                 print(f"[rlpipe weight channel] member {self.member}: generation {joined} ended "
                       f"({type(e).__name__}); waiting for the next", flush=True)
 
-    def _receive(self, group: Any, header: dict[str, Any]) -> None:
+    def _receive(self, group: Any, header: dict[str, Any], store: Any) -> None:
         policy = Path(header["policy"])
         with self._lock:
             self._receiving = policy
-        files = receive_files(group, header)
         manifest = Manifest.model_validate_json(header["manifest"])
-        problem = _check(manifest, files)
+        try:
+            files = receive_files(group, header)
+        except (OSError, ValueError) as e:  # (a shared file gone or cut: this generation goes on)
+            files, problem = {}, f"unreadable from shared memory ({type(e).__name__}: {e})"
+        else:
+            problem = check_delivery(manifest, files)
+        if header.get("shared") and store.add(header["mapped"], 1) == header["receivers"]:
+            shared_weights.remove(header["shared"])  # (every member has it mapped: the mappings outlive it)
         with self._lock:
             self._receiving = None
             if problem is None:
@@ -351,8 +356,10 @@ class Receiver:
 
 
 def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A member's half of one hand-off: each file the header lists, into a buffer of its size, in
-    the sender's broadcasts (`broadcast_plan`)."""
+    """A member's half of one hand-off: each file the header lists, mapped from the shared-memory
+    file it names, or into a buffer of its size in the sender's broadcasts (`broadcast_plan`)."""
+    if header.get("shared"):
+        return shared_weights.read(header["shared"], header["files"])
     files = {}
     for name, pieces in header["files"]:
         files[name] = data = torch.empty(sum(pieces), dtype=torch.uint8)
@@ -377,18 +384,3 @@ def _poll(store: Any, key: str, stopped: Any) -> str | None:
             continue
         return store.get(key).decode()
     return None
-
-
-def _check(manifest: Manifest, files: Mapping[str, torch.Tensor]) -> str | None:
-    """None when every file matches the manifest's size and hash, else what does not."""
-    infos = {f.name: f for f in manifest.files}
-    for name, data in files.items():
-        info = infos.get(name)
-        if info is None:
-            return f"with a file its manifest does not list ({name})"
-        if info.bytes != data.numel():
-            return f"with {name} of {data.numel()} bytes, not {info.bytes}"
-        if digest_bytes(memoryview(data.numpy()), info.algorithm) != info.digest:
-            return f"with {name} not matching its hash"
-    missing = set(infos) - set(files)
-    return f"without {sorted(missing)[0]}" if missing else None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -15,15 +17,9 @@ from safetensors.torch import save
 
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import FileInfo, Manifest, content_hash
-from rlpipe.stages.common import weight_channel
-from rlpipe.stages.common.weight_channel import (
-    PACK_BYTES,
-    Address,
-    Delivery,
-    Sender,
-    broadcast_plan,
-    safetensors_views,
-)
+from rlpipe.stages.common import shared_weights, weight_channel
+from rlpipe.stages.common.weight_channel import PACK_BYTES, Address, Sender, broadcast_plan
+from rlpipe.stages.common.weight_delivery import Delivery, check_delivery, safetensors_views
 
 # Small buckets, so each file goes in several broadcasts (the header tells the members the size).
 BUCKET = 64 << 10
@@ -45,9 +41,11 @@ def raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 
 
 def _member(folder: str, group: str, member: int, policies: list[str], results,
-            die_after_buckets: int | None = None) -> None:
+            die_after_buckets: int | None = None, die_mapping: bool = False) -> None:
     """A rollout member's receiving end in its own process: puts (member, policy, tensors) for each
     policy it is asked for (None when it got none)."""
+    if die_mapping:  # a member killed as it maps the shared-memory file
+        shared_weights.read = lambda *a: os._exit(9)
     if die_after_buckets is not None:  # a member killed mid-receive: gone after n buckets
         seen = [0]
         real = weight_channel._broadcast
@@ -90,12 +88,18 @@ def test_the_broadcast_plan_packs_small_pieces_and_parts_large_ones():
     assert plan == [[(0, 0, 10), (2, 0, 700)], *parts, [(4, 0, 300), (5, 0, 300)], [(6, 0, 500), (7, 0, 1)]]
 
 
+def _shared_files() -> set[Path]:
+    return set(shared_weights.SHM.glob(f"{shared_weights.PREFIX}-*-{os.getpid()}-*"))
+
+
 @pytest.mark.slow  # (three processes importing torch)
-def test_members_receive_each_checkpoint_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "broadcast"])
+def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, capfd):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     members = [_start(ctx, tmp_path, "rollout-a", m, ["policy_1", "policy_2"], results) for m in range(2)]
-    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET)
+    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET,
+                    shared_memory=shared_memory)
     sent = {}
     for k in (1, 2):
         tensors, files, manifest = checkpoint(k)
@@ -112,6 +116,9 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path):
             assert small == {"config.json": b'{"model_type": "llama"}'}
             assert tensors_got == {name: raw(t) for name, t in sent[policy][0].items()}
     assert Address.read(tmp_path).generation == 1  # one generation served both
+    # the members of this machine took the shared-memory path when offered it, and no file is left
+    assert sender.local == shared_memory and not _shared_files()
+    assert capfd.readouterr().out.count("(shared memory)") == (2 if shared_memory else 0)
     sender.close()
     for p in members:
         p.join(TIMEOUT_S)
@@ -123,7 +130,7 @@ def test_a_member_killed_mid_receive_breaks_one_generation(tmp_path, capfd):
     results = ctx.Queue()
     dying = _start(ctx, tmp_path, "rollout-a", 1, ["policy_1"], results, die_after_buckets=1)
     alive = _start(ctx, tmp_path, "rollout-a", 0, ["policy_1"], results)
-    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET)
+    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET, shared_memory=False)
     # 16 MB: far more than the sockets' buffers take in, so the sender sees the member gone
     _, files, manifest = checkpoint(1, rows=64 << 10)
     assert not sender.send(tmp_path / "policy_1", manifest, files, "rollout-a")
@@ -160,9 +167,56 @@ def test_a_file_that_does_not_match_its_manifest_is_refused(corrupt, capsys):
         data += b"\0"
     received = {"model.safetensors": torch.frombuffer(data, dtype=torch.uint8),
                 "config.json": torch.frombuffer(bytearray(files["config.json"]), dtype=torch.uint8)}
-    problem = weight_channel._check(manifest, received)
+    problem = check_delivery(manifest, received)
     assert problem == ("with model.safetensors not matching its hash" if corrupt == "bytes" else
                        f"with model.safetensors of {len(data)} bytes, not {len(data) - 1}")
     intact = {n: torch.frombuffer(bytearray(d), dtype=torch.uint8) for n, d in files.items()}
-    assert weight_channel._check(manifest, intact) is None
+    assert check_delivery(manifest, intact) is None
     assert Delivery(Path("p"), manifest, intact).tensors().keys() == tensors.keys()
+
+
+@pytest.mark.slow
+def test_a_member_killed_before_it_maps_the_shared_file(tmp_path, capfd):
+    """The sender does not wait on the members of the shared-memory path: a member killed as it maps
+    the file costs the send nothing; the survivor takes the policy; the file goes at the next send
+    (the last member to map a file removes it: here the dead one never does)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    dying = _start(ctx, tmp_path, "rollout-a", 1, ["policy_1"], results, die_mapping=True)
+    alive = _start(ctx, tmp_path, "rollout-a", 0, ["policy_1", "policy_2"], results)
+    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1")
+    tensors, files, manifest = checkpoint(1)
+    assert sender.send(tmp_path / "policy_1", manifest, files, "rollout-a") and sender.local
+    _, policy, (got, _, hash_got) = results.get(timeout=TIMEOUT_S)
+    assert policy == "policy_1" and hash_got == manifest.content_hash
+    assert got == {name: raw(t) for name, t in tensors.items()}
+    dying.join(TIMEOUT_S)
+    assert dying.exitcode == 9 and len(_shared_files()) == 1  # (mapped by one member of two)
+    first = _shared_files()
+    tensors, files, manifest = checkpoint(2)
+    assert sender.send(tmp_path / "policy_2", manifest, files, "rollout-a")
+    _, policy, (got, _, hash_got) = results.get(timeout=TIMEOUT_S)
+    assert policy == "policy_2" and got == {name: raw(t) for name, t in tensors.items()}
+    assert _shared_files() and not _shared_files() & first  # the first file went with the second send
+    sender.close()
+    assert not _shared_files()
+    alive.join(TIMEOUT_S)
+
+
+def test_a_killed_senders_shared_files_are_swept():
+    """A sender killed mid-send leaves its file; the next sender of the machine removes the files
+    of senders whose process is gone, and only those."""
+    gone = mp.get_context("spawn").Process(target=os.getpid)
+    gone.start()
+    gone.join()
+    host = socket.gethostname()
+    left = shared_weights.SHM / f"{shared_weights.PREFIX}-{host}-{gone.pid}-3-1"
+    ours = shared_weights.SHM / f"{shared_weights.PREFIX}-{host}-{os.getpid()}-3-1"
+    for path in (left, ours):
+        path.write_bytes(b"weights")
+    try:
+        shared_weights.sweep()
+        assert not left.exists() and ours.exists()
+    finally:
+        shared_weights.remove(ours)
+        shared_weights.remove(left)
