@@ -12,6 +12,10 @@ goes. The manifest check (size and hash of every file) is the same as for broadc
 A member that dies before the all-reduce breaks it at once (gloo sees the socket close), as a
 broadcast would; a sender killed with the file still there leaves it behind under its host name and
 pid, and the next sender on this machine removes every such file whose process is gone (`sweep`).
+
+A vLLM member, whose engine's workers load a checkpoint by path, writes a delivery it received as
+a checkpoint folder here (`as_folder`): its weights come from memory, not from the disk optimize is
+still writing them to.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import shutil
 import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -89,8 +94,29 @@ def read(path: str, files: Sequence[tuple[str, Sequence[int]]]) -> dict[str, tor
     return out
 
 
+def as_folder(files: Mapping[str, torch.Tensor], tag: str) -> Path:
+    """Files held in memory (name -> uint8 bytes) written as a folder in shared memory, for a
+    reader that takes a checkpoint by path (vLLM's workers); `remove` it when read."""
+    folder = _name(tag)
+    remove(folder)
+    folder.mkdir()
+    try:
+        for name, data in files.items():
+            with open(folder / name, "wb") as f:
+                f.write(memoryview(data.numpy()))
+    except BaseException:
+        remove(folder)
+        raise
+    return folder
+
+
 def remove(path: Path | str | None) -> None:
-    if path is not None:
+    """Remove a file or folder this module wrote (nothing when it is gone already)."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
         with contextlib.suppress(OSError):
             os.unlink(path)
 

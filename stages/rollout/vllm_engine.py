@@ -18,7 +18,10 @@ every worker (tensor-parallel rank) reads the checkpoint's safetensors from the 
 loader. After that the prefix cache is reset: it is keyed by token ids, not weights, so a prompt
 seen in an earlier iteration (the same prompts every epoch, a shared system prefix) would reuse
 KV blocks computed with the old weights, and the log-probs would silently be the old policy's.
-Another architecture or other knobs start a new engine (the old one released first).
+Another architecture or other knobs start a new engine (the old one released first). A policy a
+resident member took from the weight channel (its files in memory, checked against the manifest)
+is written for the workers to a folder in shared memory and loaded from there: the member does not
+wait for optimize's background write of the same files to disk.
 
 GPUs shared with training (`make_room`, called by the local launcher before a training stage):
 on CUDA the engine starts with sleep mode and `llm.sleep(level=2)` gives back weights and KV
@@ -40,6 +43,7 @@ other process-wide object through `rlpipe.stages.common.process_state.reset_proc
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -75,10 +79,25 @@ class LiveEngine:
         """The live engine: at most one, one engine at a time."""
         self.counts = {"starts": 0, "in_place_loads": 0, "sleeps": 0}
         """What this process's engines did: engine starts, in-place weight loads, level-2 sleeps."""
+        self.delivered: Path | None = None
+        """The shared-memory folder of the last policy taken from the weight channel (kept until
+        the next: an engine started on it may read it again)."""
+
+    def hold_delivery(self, folder: Path | None) -> Path | None:
+        """Keep `folder` (shared_weights.as_folder) as the delivered policy's; the one before goes."""
+        from rlpipe.stages.common import shared_weights
+
+        if self.delivered is not None and self.delivered != folder:
+            shared_weights.remove(self.delivered)
+        elif self.delivered is None and folder is not None:
+            atexit.register(self.hold_delivery, None)  # (not left in memory when the process ends)
+        self.delivered = folder
+        return folder
 
     def reset(self) -> None:
         """Release the engine and zero the counts: a fresh process."""
         release()
+        self.hold_delivery(None)
         self.counts.update(dict.fromkeys(self.counts, 0))
 
 
@@ -223,24 +242,34 @@ class VLLMEngine:
         """Of which loading the weights in place (0 when the engine was started or held them)."""
         self.model_load: str | None = None
         """How the engine got the checkpoint's weights, on the first `generate`: 'loaded' (an
-        engine started on it), 'in_place' (loaded into the live engine), 'held' (it had them)."""
+        engine started on it), 'in_place' (loaded into the live engine), 'held' (it had them),
+        'channel' (loaded into the live engine from the weight channel's delivery)."""
         from transformers import AutoTokenizer
 
         from rlpipe.schemas.pending import wait_until_written
+        from rlpipe.stages.common import shared_weights
+        from rlpipe.stages.common.channel_end import CHANNEL
         from rlpipe.stages.common.models import architecture, checkpoint_key, context_length
 
         self.checkpoint = Path(checkpoint)
-        # vLLM reads the checkpoint's files: one still written in the background (the policy
-        # handed over in memory, handoff.py; or sent over the weight channel) is waited for
-        wait_until_written(self.checkpoint)
+        # vLLM's workers read a checkpoint by path: a policy from the weight channel is written for
+        # them to shared memory (not waited for on disk); any other still written is waited for.
+        delivery = CHANNEL.delivery(self.checkpoint)
+        self.delivered = delivery is not None
+        if delivery is not None:
+            self.source = LIVE.hold_delivery(shared_weights.as_folder(
+                delivery.files, f"delivery-{delivery.manifest.content_hash[:16]}"))
+        else:
+            wait_until_written(self.checkpoint)
+            self.source = self.checkpoint
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        model_cfg = json.loads((self.checkpoint / "config.json").read_text())
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source)
+        model_cfg = json.loads((self.source / "config.json").read_text())
         # vLLM assumes 2048 tokens when config.json names no context length (ALiBi: Bloom).
         self.context_length = int(config.max_model_len or context_length(model_cfg) or 2048)
         self._check_head_dim(model_cfg)
         c = config
-        self._key = (architecture(self.checkpoint), c.dtype, c.max_model_len, c.tensor_parallel_size,
+        self._key = (architecture(self.source), c.dtype, c.max_model_len, c.tensor_parallel_size,
                      c.gpu_memory_utilization, c.seed)
         self._weights = checkpoint_key(self.checkpoint)
 
@@ -268,7 +297,7 @@ class VLLMEngine:
             how = "held"
         elif live is not None and live.key == self._key:
             self._load_in_place(live)
-            how = "in_place"
+            how = "channel" if self.delivered else "in_place"
         else:
             release()  # one engine at a time: free the old one's memory first
             self._start()
@@ -292,7 +321,7 @@ class VLLMEngine:
                      "max_num_batched_tokens": max(4096, self.context_length)} if cpu else {}
         sleep_mode = not cpu and current_platform.is_sleep_mode_available()
         llm = self._vllm.LLM(
-            model=str(self.checkpoint), dtype=c.dtype, max_model_len=c.max_model_len,
+            model=str(self.source), dtype=c.dtype, max_model_len=c.max_model_len,
             tensor_parallel_size=tp, gpu_memory_utilization=c.gpu_memory_utilization,
             # CPU: no graphs to capture, and compiling costs minutes; GPU: CUDA graphs pay off.
             enforce_eager=cpu, seed=c.seed, logprobs_mode="raw_logprobs",
@@ -321,7 +350,7 @@ class VLLMEngine:
                 # Weights first, KV cache after the load (vLLM's level-2 recipe): the load's
                 # temporaries never coexist with the KV cache.
                 llm.wake_up(tags=["weights"])
-            read = llm.collective_rpc("rlpipe_load_checkpoint", args=(str(self.checkpoint),))
+            read = llm.collective_rpc("rlpipe_load_checkpoint", args=(str(self.source),))
             if live.asleep:
                 llm.wake_up(tags=["kv_cache"])
                 live.asleep = False

@@ -2,8 +2,9 @@
 
 Two 'demo'-size checkpoints of one architecture (init seeds 0 and 1). One `.venv-vllm` process
 samples with `VLLMEngine` on A (engine start), on B (weights loaded in place), on B again (held),
-then calls `make_room()` (CPU: the engine is kept) and samples on A again (in place). A second
-process starts a fresh engine on B. Each process starts one engine (~20-60 s on 2 busy cores).
+then calls `make_room()` (CPU: the engine is kept), samples on A again (in place), and on B as
+the weight channel delivers it (its files in memory only: nothing of it on disk). A second process
+starts a fresh engine on B. Each process starts one engine (~20-60 s on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ if __name__ == "__main__":
         if step == "make_room":
             steps.append({"make_room": vllm_engine.make_room()})
             continue
+        if step.startswith("deliver:"):  # as a resident member takes a policy sent over the channel
+            import torch
+            from rlpipe.schemas.hashing import digest_bytes
+            from rlpipe.schemas.manifest import FileInfo, Manifest, content_hash
+            from rlpipe.schemas.pending import register_elsewhere
+            from rlpipe.stages.common.channel_end import CHANNEL
+            from rlpipe.stages.common.weight_delivery import Delivery
+
+            saved = Path(step[len("deliver:"):])
+            data = {f.name: f.read_bytes() for f in saved.iterdir() if f.is_file()}
+            infos = sorted((FileInfo.of(n, len(d), digest_bytes(d)) for n, d in data.items()), key=lambda f: f.name)
+            manifest = Manifest(kind="checkpoint", files=infos, content_hash=content_hash(infos), stage="optimize")
+            step = str(saved.parent / (saved.name + "-sent"))  # (never written: read from it, it fails)
+            files = {n: torch.frombuffer(bytearray(d), dtype=torch.uint8) for n, d in data.items()}
+            CHANNEL.taken[Path(step).absolute()] = Delivery(Path(step), manifest, files)
+            register_elsewhere(step, manifest, alive=lambda: False)
         cfg = RolloutConfig(checkpoint=step, prompts=step, output=job["out"] + ".unused", engine="vllm",
                             max_model_len=256, seed=0)
         engine = vllm_engine.VLLMEngine(Path(step), cfg)
@@ -63,7 +80,10 @@ if __name__ == "__main__":
                   for name, spec in (("sampled", sampled), ("greedy", greedy))}
         steps.append({"checkpoint": step, "model_load": engine.model_load, "start_s": engine.start_s,
                       "weights_load_s": engine.weights_load_s, **groups})
-    Path(job["out"]).write_text(json.dumps({"steps": steps, "counts": vllm_engine.LIVE.counts}))
+    delivered, counts = vllm_engine.LIVE.delivered, dict(vllm_engine.LIVE.counts)
+    vllm_engine.LIVE.reset()  # (what a worker's end does: the delivered folder goes)
+    Path(job["out"]).write_text(json.dumps({"steps": steps, "counts": counts,
+                                            "delivered": str(delivered), "left": Path(str(delivered)).exists()}))
 """
 
 
@@ -95,7 +115,7 @@ def policies(tmp_path_factory, tiny_tokenizer):
 def resident(policies, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_inplace") / "resident.json"
     a, b = str(policies["a"]), str(policies["b"])
-    return _run_vllm([a, b, b, "make_room", a], out)
+    return _run_vllm([a, b, b, "make_room", a, f"deliver:{b}"], out)
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +156,10 @@ def test_architecture_key_ignores_weights_and_provenance(policies, tmp_path):
 
 @needs_vllm
 def test_new_weights_are_loaded_into_the_running_engine(resident):
-    on_a, on_b, again_b, room, again_a = resident["steps"]
-    assert [s.get("model_load") for s in (on_a, on_b, again_b, again_a)] == ["loaded", "in_place", "held", "in_place"]
-    assert resident["counts"] == {"starts": 1, "in_place_loads": 2, "sleeps": 0}
+    on_a, on_b, again_b, room, again_a, sent_b = resident["steps"]
+    assert [s.get("model_load") for s in (on_a, on_b, again_b, again_a, sent_b)] == [
+        "loaded", "in_place", "held", "in_place", "channel"]
+    assert resident["counts"] == {"starts": 1, "in_place_loads": 3, "sleeps": 0}
     assert room == {"make_room": "kept"}  # CPU: no sleep mode, nothing a GPU user could get
     assert 0 < on_b["weights_load_s"] <= on_b["start_s"] < on_a["start_s"]
     # b's weights really arrived: other greedy continuations, other samples from the same seeds
@@ -146,6 +167,10 @@ def test_new_weights_are_loaded_into_the_running_engine(resident):
     assert _max_logprob_gap(on_b, again_b) == 0.0  # held: the same engine, weights and requests
     # A round trip b -> a restores a exactly (a stale prefix cache or packed layer would not).
     assert _ids(again_a, "sampled") == _ids(on_a, "sampled") and _max_logprob_gap(again_a, on_a) == 0.0
+    # B from the weight channel's delivery (nothing on disk) samples as B read from its files, and
+    # the folder in shared memory its workers read goes with the process's engine state
+    assert _ids(sent_b, "sampled") == _ids(on_b, "sampled") and _max_logprob_gap(sent_b, on_b) == 0.0
+    assert "/dev/shm/" in resident["delivered"] and not resident["left"]
 
 
 @needs_vllm
