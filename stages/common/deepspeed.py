@@ -6,8 +6,9 @@
   CPU), announcing the one-time C++ build of DeepSpeed's CPU communication op (and clearing the
   build lock a killed build left, which would hang every later one), and taking back
   the zero-gradient step DeepSpeed's ZeRO-0 bf16 wrapper takes (Adam would count it).
-- `full_parameters` / `save_pretrained`: the trained weights whole (ZeRO-3 partitions gathered;
-  a collective: every rank must call) and written as a Hugging Face checkpoint by rank 0.
+- `full_parameters` / `save_pretrained`: the trained weights whole (ZeRO-3 partitions gathered
+  one module at a time into a host copy; a collective: every rank must call) and written as a
+  Hugging Face checkpoint by rank 0.
 """
 
 from __future__ import annotations
@@ -167,14 +168,52 @@ def _clear_stale_build_lock(lock: Path) -> None:
 
 
 @contextlib.contextmanager
-def full_parameters(engine: Any) -> Iterator[torch.nn.Module]:
-    """The engine's module with every parameter whole (ZeRO-3 gathers them; collective)."""
-    if engine.zero_optimization_stage() == 3:
+def full_parameters(engine: Any, *, rank: int | None = None) -> Iterator[torch.nn.Module | None]:
+    """The engine's module with every parameter whole; a collective under ZeRO-3 (every rank calls).
+
+    ZeRO 0-2: the module itself. ZeRO-3: a Hugging Face model's parameters are gathered one module
+    at a time (`gathered_by_module`) and copied to host memory on `rank` (None: every rank), where
+    a plain copy of the model is built from them (no DeepSpeed hooks, the parameters' dtype); ranks
+    that keep none get None. So no accelerator holds more than its partition plus one module's
+    parameters: gathered at once, a 70B bf16 model is 140 GB on every GPU. Another module (a LoRA
+    wrapper, a scalar head) is gathered whole, as before, and yielded itself on every rank."""
+    from transformers import PreTrainedModel
+
+    if engine.zero_optimization_stage() != 3:
+        yield engine.module
+    elif isinstance(engine.module, PreTrainedModel):
+        keep = rank is None or not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank
+        yield gathered_by_module(engine.module, keep=keep)
+    else:
         deepspeed = import_deepspeed()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             yield engine.module
-    else:
-        yield engine.module
+
+
+def gathered_by_module(model: Any, *, keep: bool) -> Any:
+    """A plain host copy of ZeRO-3-partitioned `model` (a Hugging Face model), its parameters
+    gathered one module at a time and copied to the CPU, each gather released before the next;
+    with `keep` False this rank only takes part in the gathers and gets None. Tied parameters are
+    gathered and copied once."""
+    from rlpipe.stages.common.handoff import rebuilt
+
+    deepspeed = import_deepspeed()
+    state: dict[str, torch.Tensor] = {}
+    copied: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        params = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)]
+        fresh = [p for _, p in params if id(p) not in copied]
+        if fresh:
+            with deepspeed.zero.GatheredParameters(fresh, modifier_rank=None):
+                for p in fresh:
+                    copied[id(p)] = p.detach().to(device="cpu", copy=True) if keep else p
+        if keep:
+            state.update({name: copied[id(p)] for name, p in params})
+    if not keep:
+        return None
+    buffers = {name: b.detach().to(device="cpu", copy=True) for name, b in model.state_dict().items()
+               if name not in state}  # (buffers are not partitioned: rotary frequencies, ...)
+    return rebuilt(model, {**state, **buffers})
 
 
 def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,
@@ -195,7 +234,7 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
     from rlpipe.stages.common.tiny import save_pretrained as save
 
     copy = None
-    with full_parameters(engine) as whole:
+    with full_parameters(engine, rank=0) as whole:
         if rank == 0:
             module = whole if part is None else part(whole)
             save(module, tokenizer, out_dir, max_shard_size=max_shard_size)

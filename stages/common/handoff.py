@@ -52,8 +52,6 @@ def host_copy(module: Any, dtype: torch.dtype = torch.float32,
     that are overwritten at once, parameters tied in `module` (an LM head and the embeddings) tied
     in the copy. `taken`: copies already made of some of its tensors (`tensor_identity` -> copy,
     the snapshots `weights_in_memory` took), used as they are where their dtype is `dtype`."""
-    from transformers.initialization import no_init_weights
-
     copies: dict[tuple, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict().items():
@@ -64,6 +62,15 @@ def host_copy(module: Any, dtype: torch.dtype = torch.float32,
             copies[ident] = (snapshot if snapshot is not None and snapshot.dtype == dtype
                              else tensor.detach().to(device="cpu", dtype=dtype, copy=True))
         state[name] = copies[ident]
+    return rebuilt(module, state)
+
+
+def rebuilt(module: Any, state: Mapping[str, torch.Tensor]) -> Any:
+    """A new model of `module`'s class and config holding the tensors `state` (its state dict's
+    names) as they are, in eval mode: built without initialising weights that are overwritten at
+    once; parameters tied in `module` tied again."""
+    from transformers.initialization import no_init_weights
+
     with no_init_weights():
         copy = type(module)(module.config)
     copy.load_state_dict(state, assign=True)

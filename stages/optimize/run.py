@@ -109,12 +109,14 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
             # the next rollout takes the policy from memory (this process's, or the resident
             # rollout members' over the weight channel); its files are written in the background
             # (handoff.py, weight_channel.py)
-            with ds.full_parameters(engine) as whole:
+            with ds.full_parameters(engine, rank=0) as whole:
                 decided = copy = None
                 if rank == 0:
                     decided, copy = hand_over(
                         whole, tokenizer, out, max_shard_size=config.max_shard_size, copy=_hands_over(),
-                        stable=engine.zero_optimization_stage() < 3,  # (the next run waits for its write)
+                        # the engine's own tensors (the next run waits for the write), or the host
+                        # copy ZeRO-3 gathered module by module (nobody else holds it)
+                        stable=whole is not engine.module or engine.zero_optimization_stage() < 3,
                         send=CHANNEL.send if sends else None, manifest_fields=dict(
                             stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                             extra={**extra, "written": "background"}, wall_time_s=time.time() - started))
