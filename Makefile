@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-installed
 
-.PHONY: setup dev demo test test-fast lint bench clean vllm-env chromium slurm-up slurm-down
+.PHONY: setup dev demo test test-fast lint bench clean vllm-env chromium slurm-up slurm-down nodes-up nodes-down
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,18 @@ slurm-up: setup
 ## slurm-down: stop it
 slurm-down: setup
 	$(PY) -m rlpipe.cluster.slurm_local down --state $(SLURM_STATE)
+
+# Several Slurm nodes on this machine, each a network + UTS + mount namespace (cluster/netns_cluster.py; root).
+NODES_STATE ?= /var/tmp/rlpipe-nodes
+NODES ?= 2
+
+## nodes-up: start a cluster of $(NODES) nodes; then `export SLURM_CONF=$(NODES_STATE)/slurm.conf`
+nodes-up: setup
+	$(PY) -m rlpipe.cluster.netns_cluster up --state $(NODES_STATE) --nodes $(NODES)
+
+## nodes-down: stop it and remove its namespaces and links
+nodes-down: setup
+	$(PY) -m rlpipe.cluster.netns_cluster down --state $(NODES_STATE)
 
 lint: setup
 	$(VENV)/bin/ruff check schemas stages pipelines flows cluster tests benchmarks

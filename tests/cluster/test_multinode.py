@@ -1,0 +1,112 @@
+"""A real two-node Slurm cluster on this machine (`rlpipe.cluster.netns_cluster`): each node a
+network, UTS and mount namespace with its own host name, address on a private bridge and /tmp.
+
+What is checked here is the cluster itself, which the multi-node runs stand on: a 2-node job's
+steps run one per node, each with its own host name, address and /tmp, and see the shared folders;
+a 2-node torchrun job rendezvouses at node 0's address and all-reduces over gloo across the
+bridge; and the cluster leaves nothing behind (no namespace, link or process)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slurm, pytest.mark.slow]
+
+ALL_REDUCE = """
+import socket, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("rank", dist.get_rank(), "of", dist.get_world_size(), "on", socket.gethostname(), "sum", float(t), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    from rlpipe.cluster import netns_cluster, slurm_local
+
+    if os.geteuid() != 0:
+        pytest.skip("a cluster of namespaces needs root")
+    state = Path(tempfile.mkdtemp(prefix="rlpipe-nodes-"))  # (under /tmp: bound into every node's own /tmp)
+    shared = Path(tempfile.mkdtemp(prefix="rlpipe-shared-"))
+    shared.chmod(0o755)
+    cluster = netns_cluster.NodeCluster(state, 2, shared=[shared])
+    try:
+        cluster.up()
+    except slurm_local.SlurmUnavailable as e:
+        cluster.down()
+        pytest.skip(str(e))
+    try:
+        yield cluster, shared
+    finally:
+        cluster.down()
+        assert cluster.leftovers() == []
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _batch(cluster, shared: Path, name: str, script: str, timeout: float = 120.0) -> str:
+    """Run `script` as a 2-node batch job; its output."""
+    job, out = shared / f"{name}.sh", shared / f"{name}.out"
+    job.write_text("#!/bin/sh\n" + script)
+    done = subprocess.run(["sbatch", "--parsable", "-N2", "-o", str(out), str(job)], env=cluster.env,
+                          capture_output=True, text=True, check=True)
+    job_id = done.stdout.strip()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id], env=cluster.env, capture_output=True, text=True)
+        if not queued.stdout.strip():
+            return out.read_text() if out.exists() else ""
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=cluster.env)
+    raise AssertionError(f"job {name} did not end within {timeout:.0f} s: {out.read_text() if out.exists() else ''}")
+
+
+def test_each_node_has_its_own_name_address_and_tmp(two_nodes):
+    cluster, shared = two_nodes
+    (Path("/tmp") / "rlpipe-on-the-host").write_text("host")
+    (shared / "marker").write_text("seen")
+    try:
+        out = _batch(cluster, shared, "nodes", (
+            "srun -N2 --ntasks-per-node=1 sh -c 'echo node $(hostname) $SLURM_NODEID "
+            "$(ip -4 -o addr show eth0 | awk \"{print \\$4}\") "
+            f"host-tmp=$(test -e /tmp/rlpipe-on-the-host && echo seen || echo own) shared=$(cat {shared}/marker)'\n"))
+    finally:
+        (Path("/tmp") / "rlpipe-on-the-host").unlink()
+    lines = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("node "))
+    assert lines == [["node0", "0", "10.213.7.1/24", "host-tmp=own", "shared=seen"],
+                     ["node1", "1", "10.213.7.2/24", "host-tmp=own", "shared=seen"]], out
+
+
+def test_a_two_node_torchrun_job_all_reduces_across_the_bridge(two_nodes):
+    cluster, shared = two_nodes
+    (shared / "all_reduce.py").write_text(ALL_REDUCE)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = _batch(cluster, shared, "torchrun", (
+        "export GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1\n"
+        f"srun -N2 --ntasks-per-node=1 {torchrun} --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d "
+        f"--rdzv_endpoint 10.213.7.1:29500 --rdzv_id all_reduce {shared / 'all_reduce.py'}\n"), timeout=180)
+    ranks = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    assert ranks == ["rank 0 of 2 on node0 sum 3.0", "rank 1 of 2 on node1 sum 3.0"], out
+
+
+def test_a_lost_node_is_gone_and_the_other_goes_on(two_nodes):
+    """`lose(1)`: every process in node 1's namespace killed and its link down: node 0 no longer
+    reaches it; node 0 still runs a job. (Last in this module: the cluster then has one node.)"""
+    cluster, _ = two_nodes
+    reach = "timeout 3 bash -c 'echo > /dev/tcp/10.213.7.2/6818' 2>/dev/null && echo reached || echo lost"
+    assert cluster.run_on(0, reach).stdout.strip() == "reached"  # (node 1's slurmd)
+    cluster.lose(1)
+    assert cluster.run_on(0, reach).stdout.strip() == "lost"
+    alone = subprocess.run(["srun", "-N1", "-w", "node0", "hostname"], env=cluster.env, capture_output=True, text=True,
+                           timeout=60)
+    assert alone.stdout.strip() == "node0", alone.stdout + alone.stderr
