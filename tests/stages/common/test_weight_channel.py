@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
