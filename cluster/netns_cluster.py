@@ -12,8 +12,9 @@ What a node is, and what it shares (as on a real cluster):
   address 10.213.7.<i+1>/24 on its `eth0` and its own loopback; the bridge has 10.213.7.254, so
   this machine's own processes (sbatch, srun, the test) reach every node. One private /24 used
   nowhere else, no route out and no NAT: traffic stays inside the namespaces made here;
-- its host name (`node<i>`, a UTS namespace) and its own /tmp (a tmpfs in a mount namespace of its
-  own), so host names, pids in heartbeats, node-local caches and ports are per node;
+- its host name (`node<i>`, a UTS namespace), its own processes (a pid namespace: another node's
+  pids mean nothing there) and its own /tmp and /dev/shm (tmpfs in a mount namespace of its own),
+  so host names, pids in heartbeats, node-local caches, shared memory and ports are per node;
 - shared, as NFS would be: the rest of the file system (the repository, the virtualenv, the run
   directory) and munge's socket; a directory under /tmp given with `shared` is bound back into each
   node's /tmp at the same path.
@@ -91,11 +92,12 @@ def in_node(i: int, command: str, state: Path, shared: Sequence[Path] = ()) -> l
             for k, p in enumerate(kept)]
     script = " && ".join([f"hostname {HOST.format(i=i)}", f"mount --bind {shlex.quote(str(state / 'hosts'))} /etc/hosts",
                           *binds, "mount -t tmpfs -o mode=1777 tmpfs /tmp", *back, "mkdir -p /tmp/slurmd",
+                          "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
                           f"exec {command}"])
     # nsenter, not `ip netns exec`: that mounts the namespace's own /sys, without the host's cgroup
     # file systems, which slurmd's plugins read
-    return ["nsenter", f"--net=/var/run/netns/{NETNS.format(i=i)}", "unshare", "--uts", "--mount", "--propagation",
-            "private", "sh", "-c", script]
+    return ["nsenter", f"--net=/var/run/netns/{NETNS.format(i=i)}", "unshare", "--uts", "--mount", "--pid", "--fork",
+            "--mount-proc", "--propagation", "private", "sh", "-c", script]
 
 
 class NodeCluster:

@@ -2,7 +2,8 @@
 network, UTS and mount namespace with its own host name, address on a private bridge and /tmp.
 
 What is checked here is the cluster itself, which the multi-node runs stand on: a 2-node job's
-steps run one per node, each with its own host name, address and /tmp, and see the shared folders;
+steps run one per node, each with its own host name, address, /tmp and processes, and see the
+shared folders;
 a 2-node torchrun job rendezvouses at node 0's address and all-reduces over gloo across the
 bridge; and the cluster leaves nothing behind (no namespace, link or process)."""
 
@@ -79,12 +80,14 @@ def test_each_node_has_its_own_name_address_and_tmp(two_nodes):
         out = _batch(cluster, shared, "nodes", (
             "srun -N2 --ntasks-per-node=1 sh -c 'echo node $(hostname) $SLURM_NODEID "
             "$(ip -4 -o addr show eth0 | awk \"{print \\$4}\") "
-            f"host-tmp=$(test -e /tmp/rlpipe-on-the-host && echo seen || echo own) shared=$(cat {shared}/marker)'\n"))
+            f"host-tmp=$(test -e /tmp/rlpipe-on-the-host && echo seen || echo own) shared=$(cat {shared}/marker) "
+            "init=$(cat /proc/1/comm)'\n"))
     finally:
         (Path("/tmp") / "rlpipe-on-the-host").unlink()
     lines = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("node "))
-    assert lines == [["node0", "0", "10.213.7.1/24", "host-tmp=own", "shared=seen"],
-                     ["node1", "1", "10.213.7.2/24", "host-tmp=own", "shared=seen"]], out
+    # (pid 1 of a node is its slurmd: its processes are a pid namespace of their own)
+    assert lines == [["node0", "0", "10.213.7.1/24", "host-tmp=own", "shared=seen", "init=slurmd"],
+                     ["node1", "1", "10.213.7.2/24", "host-tmp=own", "shared=seen", "init=slurmd"]], out
 
 
 def test_a_two_node_torchrun_job_all_reduces_across_the_bridge(two_nodes):
