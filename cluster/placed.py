@@ -86,11 +86,16 @@ def worker_argv(group: GroupDir) -> list[str]:
 def process_env(p: StagePlacement, *, loopback: bool, base: dict[str, str] | None = None) -> dict[str, str]:
     """A launched process's environment: CPU (DeepSpeed's CPU accelerator) unless it has GPUs,
     `cpus_per_task` threads, unbuffered output (the log is the failure report), and with
-    `loopback` gloo bound to the loopback interface."""
+    `loopback` gloo bound to the loopback interface. Without it (ranks on several nodes) a loopback
+    binding this process holds for its own one-rank group (`init_distributed`) is not passed on:
+    ranks bound to 127.0.0.1 on two nodes cannot reach each other (gloo then takes the address
+    the node's host name resolves to, or the interface the user set)."""
     env = local_env(base, cpu=p.gpus == 0, threads_per_rank=p.cpus_per_task)
     env["PYTHONUNBUFFERED"] = "1"
     if loopback:
         env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    elif env.get("GLOO_SOCKET_IFNAME") == loopback_interface():
+        del env["GLOO_SOCKET_IFNAME"]
     return env
 
 

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     member, members = identity(a.member, a.members)
     stage = group.info["stage"]
     group.member_started(member, {**this_process(), "time": time.time()})
-    print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} serving {group.path}", flush=True)
+    print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} on host {socket.gethostname()} serving {group.path}",
+          flush=True)
     threading.Thread(target=_watchdog, args=(group, member), daemon=True, name="rlpipe-watchdog").start()
     try:
         with exit_on_signals(f"worker {stage}.{member}"):

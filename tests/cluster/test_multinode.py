@@ -10,6 +10,7 @@ bridge; and the cluster leaves nothing behind (no namespace, link or process).""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -100,6 +101,35 @@ def test_a_two_node_torchrun_job_all_reduces_across_the_bridge(two_nodes):
         f"--rdzv_endpoint 10.213.7.1:29500 --rdzv_id all_reduce {shared / 'all_reduce.py'}\n"), timeout=180)
     ranks = sorted(line for line in out.splitlines() if line.startswith("rank "))
     assert ranks == ["rank 0 of 2 on node0 sum 3.0", "rank 1 of 2 on node1 sum 3.0"], out
+
+
+#: Rollout on 2 workers (one per node), optimize on 2 ranks (one per node, a 2-node torchrun-style
+#: step meeting at node 0's address); the driver in the batch step on node 0.
+ACROSS = {"rollout": {"workers": 2}, "optimize": {"nodes": 2, "ranks_per_node": 1}}
+
+
+def test_a_two_node_run_equals_the_in_process_run(two_nodes, launched_preset, assert_like_in_process):
+    cluster, shared = two_nodes
+    preset = launched_preset(shared / "mini.yaml", ACROSS)
+    run_dir = shared / "runs" / "mini"
+    done = subprocess.run([sys.executable, "-m", "rlpipe.pipelines.cli", "submit", "slurm", str(preset), "--nodes", "2",
+                           "--run-dir", str(run_dir), "--time", "00:10:00", "--wait"],
+                          env={**cluster.env, "OMP_NUM_THREADS": "1"}, cwd=shared, capture_output=True, text=True,
+                          timeout=600)
+    driver = sorted((run_dir / "logs").glob("driver-*.out"))
+    log = driver[0].read_text() if driver else "<no driver log>"
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{log}"
+    assert "on 2 node(s): node[0-1]" in log and "iter   2/2" in log
+    assert_like_in_process(run_dir)
+    # one member of each group per node, each in its node's own processes
+    members = {(stage, m): (run_dir / "logs" / "workers" / f"{stage}.{m}.log").read_text()
+               for stage in ("rollout", "optimize") for m in (0, 1)}
+    hosts = {key: set(re.findall(r"on host (node\d)", text)) for key, text in members.items()}
+    assert {frozenset(hosts[(s, 0)] | hosts[(s, 1)]) for s in ("rollout", "optimize")} == {frozenset({"node0", "node1"})}, hosts
+    # the policy reached the member on the other node over the bridge (gloo), not shared memory
+    sent = [line for p in run_dir.glob("logs/iter_*/optimize*.log") for line in p.read_text().splitlines()
+            if "weight channel] sent policy" in line]
+    assert sent and not any("(shared memory)" in line for line in sent), sent
 
 
 def test_a_lost_node_is_gone_and_the_other_goes_on(two_nodes):

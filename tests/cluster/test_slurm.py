@@ -36,7 +36,7 @@ def test_submit_slurm_runs_a_preset_as_one_allocation_with_srun_steps(
     assert sorted(p.name for p in workers.iterdir()) == [
         "optimize.0.log", "optimize.1.log", "optimize.srun.log", "rollout.0.log", "rollout.1.log", "rollout.srun.log"]
     for stage in ("rollout", "optimize"):
-        steps = re.findall(r"srun: .*|\[rlpipe worker [a-z]+\.\d\] pid \d+ serving", (workers / f"{stage}.0.log").read_text())
+        steps = re.findall(r"srun: .*|\[rlpipe worker [a-z]+\.\d\] pid \d+ on host \S+ serving", (workers / f"{stage}.0.log").read_text())
         assert len(steps) == 1, steps  # task 0 started once
         pids = {m: set(re.findall(rf"\[rlpipe worker {stage}\.{m}\] pid (\d+):",
                                   "".join(p.read_text() for p in run_dir.glob(f"logs/iter_*/{stage}*.log"))))
