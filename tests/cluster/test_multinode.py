@@ -132,6 +132,65 @@ def test_a_two_node_run_equals_the_in_process_run(two_nodes, launched_preset, as
     assert sent and not any("(shared memory)" in line for line in sent), sent
 
 
+def _node_processes(i: int, needle: str) -> list[int]:
+    """Pids (this machine's numbering) of node i's processes whose command line has `needle`."""
+    from rlpipe.cluster.netns_cluster import NETNS
+
+    pids = subprocess.run(["ip", "netns", "pids", NETNS.format(i=i)], capture_output=True, text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):
+            continue
+        if needle in cmdline and not zombie:
+            found.append(int(pid))
+    return found
+
+
+def test_members_on_node_1_leave_when_the_driver_on_node_0_falls_silent(two_nodes, launched_preset):
+    """The heartbeat path: the driver (the batch step on node 0) stopped mid-run, so Slurm still
+    holds the job; the members on node 1, which cannot see its process, leave once its heartbeat
+    has not changed for `launch.driver_timeout_s`; those on node 0 watch its (living) process."""
+    import signal
+
+    import yaml
+
+    cluster, shared = two_nodes
+    preset = launched_preset(shared / "long.yaml", {**ACROSS, "driver_timeout_s": 6})
+    preset.write_text(yaml.safe_dump({**yaml.safe_load(preset.read_text()), "iterations": 40}))
+    run_dir = shared / "runs" / "long"
+    done = subprocess.run([sys.executable, "-m", "rlpipe.pipelines.cli", "submit", "slurm", str(preset), "--nodes", "2",
+                           "--run-dir", str(run_dir), "--time", "00:10:00"],
+                          env={**cluster.env, "OMP_NUM_THREADS": "1"}, cwd=shared, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = re.search(r"submitted job (\d+)", done.stdout).group(1)
+    worker = "rlpipe.cluster.worker"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (_node_processes(1, worker) and (run_dir / "iter_0001").exists()):
+        time.sleep(0.5)
+    on_node_1 = _node_processes(1, worker)
+    assert on_node_1, "no member started on node 1"
+    driver = _node_processes(0, f"--run-dir {run_dir}")
+    assert len(driver) == 1, driver
+    os.kill(driver[0], signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < 6 + 20 and _node_processes(1, worker):
+            time.sleep(0.5)
+        left_after = time.monotonic() - stopped
+        assert not _node_processes(1, worker), "members on node 1 outlived the driver's heartbeat"
+        assert left_after >= 6 * 0.8, left_after  # (not before the timeout: the driver was alive until then)
+        assert _node_processes(0, worker), "members on node 0 left though the driver's process lives"
+        said = "".join(p.read_text() for p in (run_dir / "logs" / "workers").glob("*.log"))
+        assert "sent no heartbeat for 6 s: leaving" in said
+    finally:
+        os.kill(driver[0], signal.SIGKILL)
+        subprocess.run(["scancel", job], env=cluster.env)  # (it ends with its batch step anyway)
+
+
 def test_a_lost_node_is_gone_and_the_other_goes_on(two_nodes):
     """`lose(1)`: every process in node 1's namespace killed and its link down: node 0 no longer
     reaches it; node 0 still runs a job. (Last in this module: the cluster then has one node.)"""
