@@ -30,22 +30,24 @@ class StageLaunchError(RuntimeError):
         member: which member (worker or rank) of the stage ended, where the launcher knows it.
         pid: that member's process id, where known.
         lost: the process ended without an exit code, taken by its machine.
+        node: the host of a member lost with its node (silent past `launch.driver_timeout_s`):
+            not retried, as the allocation that lost it cannot take the group again.
     """
 
     def __new__(cls, stage: str, exit_code: int | None, log: Path, detail: str = "",
-                member: int | None = None, pid: int | None = None, lost: bool = False):
+                member: int | None = None, pid: int | None = None, lost: bool = False, node: str | None = None):
         if cls is StageLaunchError:
             code = rank_exit_code(exit_code, log)
             if code == 2:
                 cls = StageUserError
-            elif lost or killed_by(code) is not None:
+            elif lost or node is not None or killed_by(code) is not None:
                 cls = WorkerLost
         return super().__new__(cls)
 
     def __init__(self, stage: str, exit_code: int | None, log: Path, detail: str = "",
-                 member: int | None = None, pid: int | None = None, lost: bool = False):
+                 member: int | None = None, pid: int | None = None, lost: bool = False, node: str | None = None):
         self.stage, self.log, self.detail = stage, log, detail
-        self.member, self.pid, self.lost = member, pid, lost
+        self.member, self.pid, self.lost, self.node = member, pid, lost or node is not None, node
         self.launcher_exit_code, self.exit_code = exit_code, rank_exit_code(exit_code, log)
         super().__init__(self._message())
 
@@ -60,7 +62,7 @@ class StageLaunchError(RuntimeError):
 
     def __reduce__(self):  # (pickled as it was made: the message is built from these)
         return StageLaunchError, (self.stage, self.launcher_exit_code, self.log, self.detail, self.member,
-                                  self.pid, self.lost)
+                                  self.pid, self.lost, self.node)
 
 
 class StageUserError(StageLaunchError, UserError):

@@ -171,8 +171,7 @@ class NodeCluster:
             states = dict(line.split() for line in out.splitlines() if line.strip())
             if len(states) == self.nodes and set(states.values()) == {"idle"}:
                 return
-            dead = [d for d in self.daemons if d.poll() is not None]
-            if dead:
+            if self.daemons and self.daemons[-1].poll() is not None:  # (the daemon just started failed)
                 break
             time.sleep(0.5)
         raise SlurmUnavailable(f"the cluster's nodes did not become idle within {timeout:.0f} s (sinfo: {out!r}); "
@@ -188,6 +187,16 @@ class NodeCluster:
         """Node i is lost: every process in its namespace SIGKILLed, its link taken down."""
         _kill_netns(NETNS.format(i=i))
         _ip("link", "set", f"{BRIDGE}-{i}", "down", check=False)
+
+    def restore(self, i: int, timeout: float = 60.0) -> None:
+        """Node i (lost) is back: its link up and a new slurmd, which Slurm returns to service."""
+        _ip("link", "set", f"{BRIDGE}-{i}", "up")
+        self._start(i, f"slurmd -D -f {self.state / 'slurm.conf'} -N {HOST.format(i=i)}", f"slurmd.{i}")
+        # Its jobs died with it: down (which ends them there), then back to service, as an admin would.
+        for state in ("DOWN Reason=lost", "RESUME"):
+            subprocess.run(["scontrol", "update", f"NodeName={HOST.format(i=i)}", *f"State={state}".split()],
+                           env=self.env, capture_output=True)
+        self._wait_idle(timeout)
 
     def down(self) -> None:
         """Stop everything `up` started and remove every namespace and link (idempotent)."""

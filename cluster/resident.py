@@ -39,6 +39,7 @@ from rlpipe.cluster.workorders import (
     WORKERS_DIR,
     GroupDir,
     bells_dir,
+    heartbeat_stopped,
     remove_worker_files,
     still_running,
     still_running_error,
@@ -98,6 +99,8 @@ class ResidentGroup:
         """The processes of the members that failed the stop order (`stop`)."""
         self.bell = group.bell().listen()
         """Rung by every answer: the driver waits on it (POLL_S at most) instead of sleeping."""
+        self.beats: dict[int, tuple[int | None, float]] = {}  # members' heartbeats seen (`_lost`)
+        self.silence_s = float(group.info["driver_timeout_s"])  # (a member's too: `_lost`)
         self.writing: set[Path] = set()
         """What the members answered their last order with as still written in the background
         (the policy sent over the weight channel): their next order waits for it itself."""
@@ -173,6 +176,8 @@ class ResidentGroup:
                     self.stage, first["exit_code"], out[failed[0]], member=failed[0], pid=first["pid"])
             if len(answers) == self.members:
                 return
+            if (lost := self._lost(answers, out)) is not None:  # (a node gone: nobody answers for it)
+                raise lost
             ended = self.handle.ended()
             if ended is not None:
                 if self.group.answers(self.seq, self.members).keys() != answers.keys():
@@ -210,8 +215,10 @@ class ResidentGroup:
                                 "an eviction?", member, pid, lost=code is None)
 
     def _lost(self, answers: dict[int, dict], out: dict[int, Path]) -> StageLaunchError | None:
-        """A member of this host that has not answered and is gone without leaving (killed), if any."""
-        here = socket.gethostname()
+        """A member that has not answered and is gone without leaving, if any: on this host, its
+        process killed; on another, its heartbeat still for `launch.driver_timeout_s` (its node
+        lost or cut off: the same silence its members allow the driver)."""
+        here, timeout = socket.gethostname(), self.silence_s
         for m in range(self.members):
             record = self.group.member_record(m)
             if m in answers or record is None or self.group.has_exited(m):
@@ -219,6 +226,10 @@ class ResidentGroup:
             if record["host"] == here and not still_running(record):
                 return StageLaunchError(self.stage, None, out[m], "its process is gone without an answer or an "
                                         "exit: killed (the OOM killer, a preemption?)", m, record["pid"], lost=True)
+            if record["host"] != here and heartbeat_stopped(self.beats, m, self.group.heartbeat(m), timeout):
+                return StageLaunchError(self.stage, None, out[m], (
+                    f"its member on host {record['host']} sent no heartbeat for {timeout:.0f} s "
+                    "(launch.driver_timeout_s): that node lost or cut off?"), m, record["pid"], node=record["host"])
         return None
 
     def stop(self, grace: float = STOP_GRACE_S) -> dict[int, int | None]:

@@ -102,6 +102,8 @@ class Pipeline:
             try:
                 return self.call(call)
             except MachineError as e:
+                if getattr(e, "node", None) is not None:  # (a node lost: rerun once the scheduler has nodes)
+                    raise
                 self.log(f"retrying {call.name} ({attempt + 1}/{retries}), a worker was lost: {e}")
         return self.call(call)
 

@@ -191,6 +191,49 @@ def test_members_on_node_1_leave_when_the_driver_on_node_0_falls_silent(two_node
         subprocess.run(["scancel", job], env=cluster.env)  # (it ends with its batch step anyway)
 
 
+def test_a_node_lost_mid_run_ends_it_in_one_error_and_the_same_command_resumes(
+        two_nodes, launched_preset, assert_like_in_process):
+    """Node 1 lost during iteration 2's optimize (one rank held there by a test hook, the other
+    waiting for it in a collective; then every process of node 1 killed and its link down): the
+    driver finds node 1's rank silent within `launch.driver_timeout_s` and ends the run with one
+    paragraph naming the stage and the node (exit 3; not retried: the allocation lost the node),
+    and the steps on node 0 end with it. Node 1 back, the same command resumes to the in-process
+    run's artifacts."""
+    cluster, shared = two_nodes
+    preset = launched_preset(shared / "loss.yaml", {**ACROSS, "driver_timeout_s": 6})
+    run_dir = shared / "runs" / "mini"  # (the run's name is a column of its artifacts)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "rlpipe.pipelines.cli", "submit", "slurm", str(preset), "--nodes", "2",
+           "--run-dir", str(run_dir), "--time", "00:10:00", "--wait"]
+    env = {**cluster.env, "OMP_NUM_THREADS": "1"}
+    hold = shared / "held"
+    tests = Path(__file__).resolve().parents[1]
+    paused = {"PYTHONPATH": f"{tests}{os.pathsep}{tests / 'cluster' / 'worker_hooks'}",
+              "RLPIPE_TEST_WORKER_PAUSE": "rlpipe.stages.optimize.run:run@2", "RLPIPE_TEST_WORKER_PAUSE_FILE": str(hold)}
+    run = subprocess.Popen(cmd, env={**env, **paused}, cwd=shared, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (hold.is_file() and hold.read_text()) and run.poll() is None:
+        time.sleep(0.5)
+    assert hold.is_file() and run.poll() is None, "no optimize rank held in iteration 2"
+    lost_at = time.monotonic()
+    cluster.lose(1)
+    out, _ = run.communicate(timeout=180)
+    ended_after = time.monotonic() - lost_at
+    log = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("driver-*.out")))
+    assert run.returncode != 0 and ended_after < 6 + 90, (ended_after, out)
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert "stage optimize" in errors[0] and "on host node1 sent no heartbeat for 6 s" in errors[0], errors
+    assert "retrying" not in log
+    assert not _node_processes(0, "rlpipe.cluster.worker")  # the steps on node 0 ended with the run
+    cluster.restore(1)
+    again = subprocess.run(cmd, env=env, cwd=shared, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert_like_in_process(run_dir)
+
+
 def test_a_lost_node_is_gone_and_the_other_goes_on(two_nodes):
     """`lose(1)`: every process in node 1's namespace killed and its link down: node 0 no longer
     reaches it; node 0 still runs a job. (Last in this module: the cluster then has one node.)"""
