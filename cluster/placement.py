@@ -118,8 +118,9 @@ class Launch(_Spec):
     A group's start (imports, a pod pending, a pool's queue) gets as long, counted from its launch."""
     driver_timeout_s: float = Field(60.0, gt=0)
     """Resident groups on other hosts than the driver's: workers leave when the driver's
-    heartbeat (rewritten every driver_timeout_s / 6) stops for this long. On the driver's host
-    they watch its process and leave within a second of its death."""
+    heartbeat (rewritten every driver_timeout_s / 6) stops for this long, and the driver takes a
+    member whose heartbeat stops for this long as lost with its node (the run ends, naming the
+    host). On the driver's host both sides watch each other's process instead."""
     weight_channel: bool = True
     """Resident groups: optimize sends each new policy to the rollout members over a process group
     made for it (gloo), from memory, and writes its checkpoint in the background as the record,
