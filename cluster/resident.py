@@ -10,8 +10,9 @@ every member's answer. Set-up stages (called once: sft, reward_model) launch per
 Faults end a call within seconds, never in a hang, with a `StageLaunchError` naming the stage and
 the tail of its log: a member that answers with a non-zero exit code; a member process that dies
 (its launcher's handle reports it: killed by a signal or gone without an exit code, it is a
-`WorkerLost`, the machine's failure, also when its peers failed first because of it); members
-alive but silent (no log output) for `launch.stall_timeout_s`. The failed group is stopped, and
+`WorkerLost`, the machine's failure, also when its peers failed first because of it); a member
+of another host silent (no heartbeat) for `launch.driver_timeout_s`: its node lost, not retried;
+members alive but silent (no log output) for `launch.stall_timeout_s`. The failed group is stopped, and
 the next call (a retry, or the same command rerun) starts a fresh one only once every old member
 is gone (whose optimize replays from the last saved train state, as any fresh process does).
 Members leave when the run ends (a stop order), when the driver is interrupted (`close`), and
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -44,6 +44,7 @@ from rlpipe.cluster.workorders import (
     still_running,
     still_running_error,
     sweep,
+    unanswered,
     wait_gone,
 )
 from rlpipe.schemas.errors import ArtifactError
@@ -176,13 +177,13 @@ class ResidentGroup:
                     self.stage, first["exit_code"], out[failed[0]], member=failed[0], pid=first["pid"])
             if len(answers) == self.members:
                 return
-            if (lost := self._lost(answers, out)) is not None:  # (a node gone: nobody answers for it)
-                raise lost
             ended = self.handle.ended()
             if ended is not None:
                 if self.group.answers(self.seq, self.members).keys() != answers.keys():
                     continue  # it answered and left between the two looks: read the answer
                 raise self._ended(*ended, out)
+            if (lost := self._node_lost(answers, out)) is not None:  # (nobody answers for a lost node)
+                raise lost
             now_size = sum(_size(p) for p in watched)
             if not self.group.all_ready(self.members):  # starting: imports, a pod pending, a pool's queue
                 if time.monotonic() - self.started_at > self.stall_timeout_s:
@@ -215,20 +216,21 @@ class ResidentGroup:
                                 "an eviction?", member, pid, lost=code is None)
 
     def _lost(self, answers: dict[int, dict], out: dict[int, Path]) -> StageLaunchError | None:
-        """A member that has not answered and is gone without leaving, if any: on this host, its
-        process killed; on another, its heartbeat still for `launch.driver_timeout_s` (its node
-        lost or cut off: the same silence its members allow the driver)."""
-        here, timeout = socket.gethostname(), self.silence_s
-        for m in range(self.members):
-            record = self.group.member_record(m)
-            if m in answers or record is None or self.group.has_exited(m):
-                continue
-            if record["host"] == here and not still_running(record):
+        """A member of this host that has not answered and is gone without leaving (killed), if any."""
+        for m, record in unanswered(self.group, self.members, answers, here=True):
+            if not still_running(record):
                 return StageLaunchError(self.stage, None, out[m], "its process is gone without an answer or an "
                                         "exit: killed (the OOM killer, a preemption?)", m, record["pid"], lost=True)
-            if record["host"] != here and heartbeat_stopped(self.beats, m, self.group.heartbeat(m), timeout):
+        return None
+
+    def _node_lost(self, answers: dict[int, dict], out: dict[int, Path]) -> StageLaunchError | None:
+        """A member of another host that has not answered and whose heartbeat has been still for
+        `launch.driver_timeout_s` (the silence its members allow the driver), if any: its node lost
+        or cut off, where no launcher's handle may ever say so (an srun step waits for the node)."""
+        for m, record in unanswered(self.group, self.members, answers, here=False):
+            if heartbeat_stopped(self.beats, m, self.group.heartbeat(m), self.silence_s):
                 return StageLaunchError(self.stage, None, out[m], (
-                    f"its member on host {record['host']} sent no heartbeat for {timeout:.0f} s "
+                    f"its member on host {record['host']} sent no heartbeat for {self.silence_s:.0f} s "
                     "(launch.driver_timeout_s): that node lost or cut off?"), m, record["pid"], node=record["host"])
         return None
 

@@ -46,6 +46,7 @@ import socket
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,16 @@ class DriverWatch:
             return (f"the driver (pid {self.driver['pid']} on {self.driver['host']}) sent no heartbeat for "
                     f"{self.timeout:.0f} s")
         return None
+
+
+def unanswered(group: GroupDir, members: int, answers: dict, *, here: bool) -> Iterator[tuple[int, dict]]:
+    """(member, its record) of each started member that has not answered nor exited, on this host
+    (`here`) or on others."""
+    host = socket.gethostname()
+    for m in range(members):
+        record = group.member_record(m)
+        if m not in answers and record is not None and (record["host"] == host) == here and not group.has_exited(m):
+            yield m, record
 
 
 def live_members(group: GroupDir, timeout_s: float, since: dict[int, tuple[int | None, float]]) -> list[int]:
