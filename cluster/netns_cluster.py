@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlpipe.cluster.slurm_local import SLURM_CONF, SlurmUnavailable, install
+from rlpipe.cluster.slurm_local import SLURM_CONF, SlurmUnavailable, install, start_munge
 
 SUBNET = "10.213.7"
 BRIDGE = "rlpipe-nodes"
@@ -118,7 +118,9 @@ class NodeCluster:
         self.down()  # (what a killed run left)
         try:
             self._network()
-            self._munge()
+            for d in ("state", "run"):
+                (self.state / d).mkdir(parents=True, exist_ok=True)
+            start_munge(self.state)
             (self.state / "hosts").write_text(hosts_file(self.nodes))
             (self.state / "slurm.conf").write_text(slurm_conf(self.state, self.nodes, self.cpus, 2000))
             conf = f"-f {self.state / 'slurm.conf'}"
@@ -143,20 +145,6 @@ class NodeCluster:
             _ip("-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-
-    def _munge(self) -> None:
-        s = self.state
-        for d in ("munge", "msock", "log", "state", "run"):
-            (s / d).mkdir(parents=True, exist_ok=True)
-        s.chmod(0o755)
-        (s / "msock").chmod(0o755)
-        (s / "munge").chmod(0o700)
-        key = s / "munge" / "munge.key"
-        if not key.is_file():
-            subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
-        subprocess.run(["munged", f"--key-file={key}", f"--socket={s}/msock/munge.socket.2",
-                        f"--pid-file={s}/msock/munged.pid", f"--log-file={s}/log/munged.log",
-                        f"--seed-file={s}/munge/munged.seed"], check=True)
 
     def _start(self, i: int, command: str, name: str) -> None:
         log = open(self.state / "log" / f"{name}.out", "ab")  # noqa: SIM115 (the daemon's, for its life)

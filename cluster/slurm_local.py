@@ -108,23 +108,14 @@ def up(state: Path = DEFAULT_STATE, *, cpus: int | None = None, timeout: float =
     state = state.absolute()
     if (state / "run" / "slurmctld.pid").is_file():
         down(state)
-    for d in ("munge", "msock", "run", "state", "spool", "log"):
+    for d in ("run", "state", "spool"):
         (state / d).mkdir(parents=True, exist_ok=True)
-    # munged wants every folder above its socket world-executable, its key folder private.
-    state.chmod(0o755)
-    (state / "msock").chmod(0o755)
-    (state / "munge").chmod(0o700)
     memory_mb = max(1000, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2)
     (state / "slurm.conf").write_text(SLURM_CONF.format(
         s=state, ctld_port=free_port(), d_port=free_port(), cpus=cpus or max(MIN_CPUS, os.cpu_count() or 1),
         memory_mb=memory_mb))
     env = env_for(state)
-    key = state / "munge" / "munge.key"
-    if not key.is_file():
-        subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
-    subprocess.run(["munged", f"--key-file={key}", f"--socket={state}/msock/munge.socket.2",
-                    f"--pid-file={state}/msock/munged.pid", f"--log-file={state}/log/munged.log",
-                    f"--seed-file={state}/munge/munged.seed"], check=True)
+    start_munge(state)
     subprocess.run(["slurmctld"], env=env, check=True)
     subprocess.run(["slurmd", "-N", "localhost"], env=env, check=True)
     deadline, out = time.time() + timeout, ""
@@ -135,6 +126,22 @@ def up(state: Path = DEFAULT_STATE, *, cpus: int | None = None, timeout: float =
         time.sleep(0.5)
     down(state)
     raise SlurmUnavailable(f"the Slurm node never became idle (sinfo: {out!r}); logs in {state}/log")
+
+
+def start_munge(state: Path) -> None:
+    """munged with its key, socket, pid, log and seed under `state` (msock/, munge/, log/)."""
+    for d in ("munge", "msock", "log"):
+        (state / d).mkdir(parents=True, exist_ok=True)
+    # munged wants every folder above its socket world-executable, its key folder private.
+    state.chmod(0o755)
+    (state / "msock").chmod(0o755)
+    (state / "munge").chmod(0o700)
+    key = state / "munge" / "munge.key"
+    if not key.is_file():
+        subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
+    subprocess.run(["munged", f"--key-file={key}", f"--socket={state}/msock/munge.socket.2",
+                    f"--pid-file={state}/msock/munged.pid", f"--log-file={state}/log/munged.log",
+                    f"--seed-file={state}/munge/munged.seed"], check=True)
 
 
 def down(state: Path = DEFAULT_STATE, grace: float = 10.0) -> None:

@@ -44,7 +44,8 @@ def staging_path(path: Path | str, *, shared: bool = False) -> Path:
     return path.with_name(f".{path.name}{STAGING}{tail}")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +64,7 @@ def remove_stale_staging(path: Path | str) -> None:
     for d in path.parent.iterdir():
         if d.name.startswith(prefix) and d.name[len(prefix):].isdigit():
             pid = int(d.name[len(prefix):])
-            if pid != os.getpid() and not _alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 shutil.rmtree(d, ignore_errors=True)
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from rlpipe.schemas.staging import pid_alive
+
 #: Where the files go: a tmpfs on Linux (memory, not disk).
 SHM = Path("/dev/shm")
 PREFIX = "rlpipe-weights"
@@ -126,15 +128,5 @@ def sweep() -> None:
     host = socket.gethostname()
     for path in SHM.glob(f"{PREFIX}-{host}-*"):
         pid = path.name[len(f"{PREFIX}-{host}-"):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             remove(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
