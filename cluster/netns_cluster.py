@@ -107,7 +107,7 @@ class NodeCluster:
     def __init__(self, state: Path = DEFAULT_STATE, nodes: int = 2, *, cpus: int = 4,
                  shared: Sequence[Path] = ()):
         self.state, self.nodes, self.cpus = Path(state).absolute(), nodes, cpus
-        self.shared = [Path(p).absolute() for p in shared if str(Path(p).absolute()).startswith("/tmp/")]
+        self.shared = sorted({Path(p).absolute() for p in shared if str(Path(p).absolute()).startswith("/tmp/")})
         self.env = {**os.environ, "SLURM_CONF": str(self.state / "slurm.conf")}
         self.daemons: list[subprocess.Popen] = []
 

@@ -41,7 +41,10 @@ def two_nodes():
     state = Path(tempfile.mkdtemp(prefix="rlpipe-nodes-"))  # (under /tmp: bound into every node's own /tmp)
     shared = Path(tempfile.mkdtemp(prefix="rlpipe-shared-"))
     shared.chmod(0o755)
-    cluster = netns_cluster.NodeCluster(state, 2, shared=[shared])
+    # (the repository and the interpreter's environment too, where they lie under /tmp: a clean
+    # clone there would be hidden by each node's own /tmp)
+    repository = Path(__file__).resolve().parents[2]
+    cluster = netns_cluster.NodeCluster(state, 2, shared=[shared, repository, Path(sys.prefix)])
     try:
         cluster.up()
     except slurm_local.SlurmUnavailable as e:
