@@ -212,7 +212,7 @@ class NodeCluster:
         netns = [n for n in _ip("netns", "list").stdout.split() if n.startswith("rlpipe-node")]
         links = [line for line in _ip("-o", "link", "show").stdout.splitlines() if BRIDGE in line]
         folders = [str(p) for p in Path("/run").glob("rlpipe-node*-shared")]
-        return netns + links + folders + _processes_naming(self.state)
+        return netns + links + folders + [f"pid {p}: {c[:120]}" for p, c in processes_naming(str(self.state)).items()]
 
     def __enter__(self) -> NodeCluster:
         return self.up()
@@ -221,18 +221,24 @@ class NodeCluster:
         self.down()
 
 
-def _processes_naming(state: Path) -> list[str]:
-    """Live (not zombie) processes whose command line names `state`."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
+def processes_naming(needle: str, pids: Sequence[str] | None = None) -> dict[int, str]:
+    """Live (not zombie) processes, of `pids` (this machine's numbering) or all, whose command
+    line holds `needle`: pid -> command line."""
+    found = {}
+    for proc in (Path(f"/proc/{p}") for p in pids) if pids is not None else Path("/proc").glob("[0-9]*"):
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             zombie = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
         except (OSError, IndexError):
             continue
-        if str(state) in cmdline and not zombie and int(proc.name) != os.getpid():
-            found.append(f"pid {proc.name}: {cmdline[:120]}")
+        if needle in cmdline and not zombie and int(proc.name) != os.getpid():
+            found[int(proc.name)] = cmdline
     return found
+
+
+def node_processes(i: int, needle: str) -> list[int]:
+    """The pids (this machine's numbering) of node i's processes whose command line holds `needle`."""
+    return sorted(processes_naming(needle, _ip("netns", "pids", NETNS.format(i=i), check=False).stdout.split()))
 
 
 def _kill_netns(ns: str) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from rlpipe.cluster.netns_cluster import node_processes
+
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm, pytest.mark.slow]
 
 ALL_REDUCE = """
@@ -135,23 +137,6 @@ def test_a_two_node_run_equals_the_in_process_run(two_nodes, launched_preset, as
     assert sent and not any("(shared memory)" in line for line in sent), sent
 
 
-def _node_processes(i: int, needle: str) -> list[int]:
-    """Pids (this machine's numbering) of node i's processes whose command line has `needle`."""
-    from rlpipe.cluster.netns_cluster import NETNS
-
-    pids = subprocess.run(["ip", "netns", "pids", NETNS.format(i=i)], capture_output=True, text=True).stdout.split()
-    found = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except (OSError, IndexError):
-            continue
-        if needle in cmdline and not zombie:
-            found.append(int(pid))
-    return found
-
-
 def test_members_on_node_1_leave_when_the_driver_on_node_0_falls_silent(two_nodes, launched_preset):
     """The heartbeat path: the driver (the batch step on node 0) stopped mid-run, so Slurm still
     holds the job; the members on node 1, which cannot see its process, leave once its heartbeat
@@ -172,21 +157,21 @@ def test_members_on_node_1_leave_when_the_driver_on_node_0_falls_silent(two_node
     job = re.search(r"submitted job (\d+)", done.stdout).group(1)
     worker = "rlpipe.cluster.worker"
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (_node_processes(1, worker) and (run_dir / "iter_0001").exists()):
+    while time.monotonic() < deadline and not (node_processes(1, worker) and (run_dir / "iter_0001").exists()):
         time.sleep(0.5)
-    on_node_1 = _node_processes(1, worker)
+    on_node_1 = node_processes(1, worker)
     assert on_node_1, "no member started on node 1"
-    driver = _node_processes(0, f"--run-dir {run_dir}")
+    driver = node_processes(0, f"--run-dir {run_dir}")
     assert len(driver) == 1, driver
     os.kill(driver[0], signal.SIGSTOP)
     try:
         stopped = time.monotonic()
-        while time.monotonic() - stopped < 6 + 20 and _node_processes(1, worker):
+        while time.monotonic() - stopped < 6 + 20 and node_processes(1, worker):
             time.sleep(0.5)
         left_after = time.monotonic() - stopped
-        assert not _node_processes(1, worker), "members on node 1 outlived the driver's heartbeat"
+        assert not node_processes(1, worker), "members on node 1 outlived the driver's heartbeat"
         assert left_after >= 6 * 0.8, left_after  # (not before the timeout: the driver was alive until then)
-        assert _node_processes(0, worker), "members on node 0 left though the driver's process lives"
+        assert node_processes(0, worker), "members on node 0 left though the driver's process lives"
         said = "".join(p.read_text() for p in (run_dir / "logs" / "workers").glob("*.log"))
         assert "sent no heartbeat for 6 s: leaving" in said
     finally:
@@ -230,7 +215,7 @@ def test_a_node_lost_mid_run_ends_it_in_one_error_and_the_same_command_resumes(
     assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
     assert "stage optimize" in errors[0] and "on host node1 sent no heartbeat for 6 s" in errors[0], errors
     assert "retrying" not in log
-    assert not _node_processes(0, "rlpipe.cluster.worker")  # the steps on node 0 ended with the run
+    assert not node_processes(0, "rlpipe.cluster.worker")  # the steps on node 0 ended with the run
     cluster.restore(1)
     again = subprocess.run(cmd, env=env, cwd=shared, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
