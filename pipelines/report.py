@@ -1,6 +1,6 @@
 """What a run shows: ONE summary per iteration, and the report built from it.
 
-Everything is read back from the run's artifacts with Polars, so the summary of a finished,
+Everything is read back from the run's artifacts, so the summary of a finished,
 resumed or still-running run is the same, and the console line, `rlpipe inspect`, the report
 (runs/<run>/report/: curves.png, metrics.md, index.html), the metric sinks (`sinks.py`) and the
 Prefect artifacts all show these numbers, under these names (their labels: `display.py`):
@@ -60,13 +60,17 @@ def step_metrics(metrics_dir: Path | str) -> dict[str, float]:
     """Every metric of an optimize `metrics` artifact, one value each: the mean over optimizer
     steps (step >= 1) of a per-step metric, the value of a once-per-stage one (step 0); without
     the rollout-policy metrics when they are 0 by construction (see the module doc)."""
-    import polars as pl
+    import pyarrow.compute as pc
 
-    m = pl.from_arrow(read_table_artifact(metrics_dir))
-    out = {n: float(v) for n, v in m.filter(pl.col("step") == 0).select("name", "value").iter_rows()}
-    means = m.filter(pl.col("step") > 0).group_by("name").agg(pl.col("value").mean(), pl.col("step").n_unique())
-    out.update({n: float(v) for n, v, _ in means.iter_rows()})
-    steps = out.get("steps", float(m.filter(pl.col("step") > 0)["step"].n_unique()))
+    # (Arrow compute, not Polars: this runs after every iteration on the driver's critical path,
+    # and a Polars frame costs a millisecond to build per table)
+    m = read_table_artifact(metrics_dir, columns=["step", "name", "value"])
+    once = m.filter(pc.equal(m["step"], 0))
+    out = {n: float(v) for n, v in zip(once["name"].to_pylist(), once["value"].to_pylist(), strict=True)}
+    per_step = m.filter(pc.greater(m["step"], 0))
+    means = per_step.group_by("name", use_threads=False).aggregate([("value", "mean")])
+    out.update({n: float(v) for n, v in zip(means["name"].to_pylist(), means["value_mean"].to_pylist(), strict=True)})
+    steps = out.get("steps", float(pc.count_distinct(per_step["step"]).as_py()))
     out["optimizer_steps"] = steps
     config = read_manifest(metrics_dir).config or {}
     if steps == 1 and config.get("recompute_old_logprobs", False):
@@ -78,30 +82,27 @@ def step_metrics(metrics_dir: Path | str) -> dict[str, float]:
 def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
     """The summary of iteration k (without stage times): reward, accuracy (scores), response
     length and truncation (rollouts), optimiser metrics (metrics), held-out metrics (eval)."""
-    import polars as pl
+    import pyarrow.compute as pc
 
     it = Path(run_dir) / iteration_dir_name(k)
     out: dict[str, float] = {}
     if exists(it / "scores"):
-        s = pl.from_arrow(read_table_artifact(it / "scores"))
-        out["reward_mean"] = float(s["reward"].mean())
-        out["reward_std"] = float(s["reward"].std() or 0.0)
-        if ACCURACY_COMPONENT in s.columns:
-            out["accuracy"] = float(s[ACCURACY_COMPONENT].mean())
+        s = read_table_artifact(it / "scores")
+        out["reward_mean"] = float(pc.mean(s["reward"]).as_py())
+        out["reward_std"] = float(pc.stddev(s["reward"], ddof=1).as_py() or 0.0)
+        if ACCURACY_COMPONENT in s.column_names:
+            out["accuracy"] = float(pc.mean(s[ACCURACY_COMPONENT]).as_py())
     if exists(it / "rollouts"):
         t = read_table_artifact(it / "rollouts", columns=["response_token_ids", "response_mask", "finish_reason",
                                                            "iteration", "policy_version", "num_turns", "turns"])
-        r = pl.from_arrow(t)
-        if r.height:
-            lengths = sampled_lengths(t["response_mask"], r["response_token_ids"].list.len().to_list(),
+        if t.num_rows:
+            lengths = sampled_lengths(t["response_mask"], pc.list_value_length(t["response_token_ids"]).to_pylist(),
                                       what=f"{it / 'rollouts'}: column 'response_mask'")
-            out["response_length"] = sum(lengths) / r.height  # the model's tokens, not the environment's
-            out["truncated_fraction"] = float((r["finish_reason"] == "length").mean())
-            if r["num_turns"].null_count() < r.height:  # episodes: how the policy uses the environment
-                out["turns_mean"] = float(r["num_turns"].mean())
-                calls = r["turns"].list.eval(pl.element().struct.field("tool_calls").list.len()).list.sum()
-                out["tool_calls_mean"] = float(calls.mean())
-            stale = int((r["iteration"] - r["policy_version"]).max())
+            out["response_length"] = sum(lengths) / t.num_rows  # the model's tokens, not the environment's
+            out["truncated_fraction"] = float(pc.mean(pc.equal(t["finish_reason"], "length")).as_py())
+            if t["num_turns"].null_count < t.num_rows:  # episodes: how the policy uses the environment
+                out.update(_episode_metrics(t))
+            stale = pc.max(pc.subtract(t["iteration"], t["policy_version"])).as_py()
             if stale > 0:  # asynchronous runs: the sampling policy is this many optimize runs behind
                 out["staleness"] = float(stale)
     if exists(it / "metrics"):
@@ -113,6 +114,15 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
         for name, value in eval_metrics(it / "eval").items():
             out[f"eval_{name}"] = value
     return out
+
+
+def _episode_metrics(rollouts: Any) -> dict[str, float]:
+    """turns_mean and tool_calls_mean of multi-turn episodes (the rollouts' episode columns)."""
+    import polars as pl
+
+    r = pl.from_arrow(rollouts.select(["num_turns", "turns"]))
+    calls = r["turns"].list.eval(pl.element().struct.field("tool_calls").list.len()).list.sum()
+    return {"turns_mean": float(r["num_turns"].mean()), "tool_calls_mean": float(calls.mean())}
 
 
 def stage_seconds(iteration_dir: Path) -> dict[str, float]:

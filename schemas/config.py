@@ -185,17 +185,20 @@ class StageConfig(BaseModel):
     def _outputs_apart_from_inputs(self) -> StageConfig:
         # A stage clears its output before writing it: an output equal to, inside or around an
         # input would destroy that input, and two equal outputs would overwrite each other.
-        ins, outs = self.inputs(), self.outputs()
-        for o_name, out in outs.items():
-            o = Path(out).absolute()
-            for i_name, inp in ins.items():
-                i = Path(inp).absolute()
-                if o == i or i in o.parents or o in i.parents:
-                    raise ValueError(f"output {o_name!r} ({out}) overlaps input {i_name!r} ({inp}): "
-                                     "a stage never writes over its inputs; choose another output path")
+        # (Absolute normalised strings: a config is validated on every load, in every order a
+        # resident worker takes; pathlib's parents cost milliseconds there.)
+        ins = {name: os.path.abspath(p) for name, p in self.inputs().items()}
+        outs = {name: os.path.abspath(p) for name, p in self.outputs().items()}
+        for o_name, o in outs.items():
+            for i_name, i in ins.items():
+                if _same_or_nested(o, i):
+                    raise ValueError(f"output {o_name!r} ({self.outputs()[o_name]}) overlaps input {i_name!r} "
+                                     f"({self.inputs()[i_name]}): a stage never writes over its inputs; "
+                                     "choose another output path")
             for other_name, other in outs.items():
-                if other_name < o_name and Path(other).absolute() == o:
-                    raise ValueError(f"outputs {other_name!r} and {o_name!r} are the same path ({out})")
+                if other_name < o_name and other == o:
+                    raise ValueError(f"outputs {other_name!r} and {o_name!r} are the same path "
+                                     f"({self.outputs()[o_name]})")
         return self
     @field_validator("*", mode="before")
     @classmethod
@@ -209,6 +212,11 @@ class StageConfig(BaseModel):
 
 
 C = TypeVar("C", bound=BaseModel)
+
+
+def _same_or_nested(a: str, b: str) -> bool:
+    """Whether absolute normalised paths `a` and `b` are one path, or one lies inside the other."""
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
 
 
 def union_tags(union: Any, discriminator: str = "name") -> dict[str, type[BaseModel]]:
@@ -349,7 +357,31 @@ def load_config(
     A relative path written in the YAML file is relative to the file's folder (so a run's saved
     `configs/<stage>.yaml` works from any directory and after the run folder is moved); a relative
     path given as an override is relative to the current directory.
+
+    A file loaded again unchanged (same inode, size and modification time, same overrides and
+    current directory) gives the config parsed the first time: a resident worker reads its order's
+    config more than once, and a config is frozen.
     """
+    try:
+        stat = os.stat(path) if path is not None and base is None else None
+    except OSError:
+        stat = None  # (not there: the load says so, as a ConfigError)
+    if stat is None:
+        return _load_config(cls, path, overrides, base)
+    key = (cls, os.path.abspath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, tuple(overrides), os.getcwd())
+    if (hit := _LOADED.get(key)) is None:
+        hit = _LOADED[key] = _load_config(cls, path, overrides, base)
+        while len(_LOADED) > _LOADED_KEPT:
+            del _LOADED[next(iter(_LOADED))]
+    return hit
+
+
+_LOADED: dict[tuple, Any] = {}
+_LOADED_KEPT = 16  # the configs of the last few orders; older ones are not asked for again
+
+
+def _load_config(cls: type[C], path: Path | str | None, overrides: Sequence[str],
+                 base: Mapping[str, Any] | None) -> C:
     data: dict[str, Any] = _deepcopy(base or {})
     from_file: dict[str, Any] = {}
     if path is not None:

@@ -143,6 +143,10 @@ class ArtifactWriter:
         self._written[name] = info
         return info
 
+    def written(self, name: str) -> FileInfo | None:
+        """The file info of shard `name` if this writer wrote it (else None: another worker's)."""
+        return self._written.get(name)
+
     def commit(self, extra: Mapping[str, Any] | None = None, wall_time_s: float | None = None) -> Manifest:
         """Write the manifest (last), listing every shard in the staging directory, and swap the
         staging directory into place (sub-directories of the old `path` are kept: nested

@@ -10,6 +10,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from rlpipe.schemas.config import (
     ConfigError,
+    Input,
+    Output,
     StageConfig,
     Variant,
     apply_overrides,
@@ -191,3 +193,39 @@ def test_algorithm_configs_import_without_torch():
     code = ("import sys, rlpipe.stages.advantage.config, rlpipe.stages.optimize.config, rlpipe.stages.score.config; "
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_file_loaded_again_unchanged_gives_the_config_parsed_first(tmp_path, monkeypatch):
+    path = _yaml(tmp_path, "output: runs/x\ngroup_size: 4\n")
+    first = load_config(DemoConfig, path)
+    assert load_config(DemoConfig, path) is first
+    assert load_config(DemoConfig, path, ["seed=1"]).seed == 1 and load_config(DemoConfig, path).seed == 0
+    # a rewrite (another file put in its place, same size) is read again
+    (tmp_path / "o").mkdir()
+    other = _yaml(tmp_path / "o", "output: runs/x\ngroup_size: 5\n")
+    other.replace(path)
+    assert load_config(DemoConfig, path).group_size == 5
+    # a relative override is relative to the current directory: another one, another config
+    monkeypatch.chdir(tmp_path)
+    here = load_config(DemoConfig, path, ["output=y"])
+    monkeypatch.chdir(tmp_path / "o")
+    assert load_config(DemoConfig, path, ["output=y"]) is not here
+
+
+class TwoPaths(StageConfig):
+    data: Annotated[Path, Input("rollouts")]
+    """An input."""
+    output: Annotated[Path, Output("scores")]
+    """The output."""
+
+
+@pytest.mark.parametrize(("data", "output", "overlap"), [
+    ("a/b", "a/b", True), ("a/b", "a/b/c", True), ("a/b/c", "a", True), ("a/b", "a/x/../b", True),
+    ("a/b", "a/bc", False), ("a/bc", "a/b", False), ("a/b", "a/c", False),
+])
+def test_an_output_may_not_overlap_an_input(tmp_path, data, output, overlap):
+    if overlap:
+        with pytest.raises(ConfigError, match="overlaps input 'data'"):
+            load_config(TwoPaths, None, [f"data={tmp_path / data}", f"output={tmp_path / output}"])
+    else:
+        load_config(TwoPaths, None, [f"data={tmp_path / data}", f"output={tmp_path / output}"])

@@ -20,6 +20,8 @@ from rlpipe.schemas import ADVANTAGES, REFERENCE, ROLLOUTS, read_table_artifact
 from rlpipe.schemas.rollouts import response_masks, sampled_lengths
 
 KEY = ROLLOUTS.key  # the join key is the schemas' (every per-rollout artifact declares the same one)
+#: What optimize reads of the rollouts besides the key (not the texts: decoding them costs).
+_ROLLOUT_COLUMNS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "finish_reason", "response_mask")
 
 
 @dataclass
@@ -106,7 +108,7 @@ def load_batch(rollouts: Path, advantages: Path, reference: Path | None = None, 
             (or reference) row, a per-token list has the wrong length, or a needed column (ref
             log-probs, values, returns) is null.
     """
-    ro = read_table_artifact(rollouts, ROLLOUTS)
+    ro = read_table_artifact(rollouts, ROLLOUTS, columns=[*KEY, *_ROLLOUT_COLUMNS])
     adv = read_table_artifact(advantages, ADVANTAGES)
     adv = adv.take(np.lexsort([np.asarray(adv.column(k)) for k in reversed(KEY)]))
     keys = _keys(adv)

@@ -231,8 +231,16 @@ def _summary(path: Path, writer: ArtifactWriter) -> dict[str, Any]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from rlpipe.schemas.table_memory import TABLES
+
     cols = ["group_id", "sample_index", "response_token_ids", "finish_reason", "response_mask", "num_turns", "turns"]
-    tables = [pq.read_table(p, columns=cols) for p in sorted(Path(path).glob("part-*.parquet"))]
+
+    def shard(p: Path) -> pa.Table:  # (this worker's own shards from memory: no decode)
+        mine = writer.written(p.name)
+        table = TABLES.get(mine.tagged_digest) if mine is not None else None
+        return table.select(cols) if table is not None else pq.read_table(p, columns=cols)
+
+    tables = [shard(p) for p in sorted(Path(path).glob("part-*.parquet"))]
     if not tables:
         return {"groups": 0, "samples": 0, "response_tokens": 0, "length_fraction": 0.0}
     t = pa.concat_tables(tables)
