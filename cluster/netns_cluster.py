@@ -124,9 +124,9 @@ class NodeCluster:
             (self.state / "hosts").write_text(hosts_file(self.nodes))
             (self.state / "slurm.conf").write_text(slurm_conf(self.state, self.nodes, self.cpus, 2000))
             conf = f"-f {self.state / 'slurm.conf'}"
-            self._start(0, f"slurmctld -D {conf}", "slurmctld")
+            self.start(0, f"slurmctld -D {conf}", "slurmctld")
             for i in range(self.nodes):
-                self._start(i, f"slurmd -D {conf} -N {HOST.format(i=i)}", f"slurmd.{i}")
+                self.start(i, f"slurmd -D {conf} -N {HOST.format(i=i)}", f"slurmd.{i}")
             self._wait_idle(timeout)
         except BaseException:
             self.down()
@@ -146,10 +146,14 @@ class NodeCluster:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
-    def _start(self, i: int, command: str, name: str) -> None:
+    def start(self, i: int, command: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `command` on node i in the background, its output in `state`/log/`name`.out (a
+        session of its own: signal its group to stop it; `down` ends it in any case)."""
         log = open(self.state / "log" / f"{name}.out", "ab")  # noqa: SIM115 (the daemon's, for its life)
-        self.daemons.append(subprocess.Popen(in_node(i, command, self.state, self.shared), env=self.env,
-                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        proc = subprocess.Popen(in_node(i, command, self.state, self.shared), env=env or self.env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.daemons.append(proc)
+        return proc
 
     def _wait_idle(self, timeout: float) -> None:
         deadline, out = time.monotonic() + timeout, ""
@@ -165,11 +169,10 @@ class NodeCluster:
         raise SlurmUnavailable(f"the cluster's nodes did not become idle within {timeout:.0f} s (sinfo: {out!r}); "
                                f"logs in {self.state}/log")
 
-    def run_on(self, i: int, command: str, **kwargs) -> subprocess.CompletedProcess:
+    def run_on(self, i: int, command: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
         """Run shell `command` on node i (its namespaces) and wait for it."""
-        return subprocess.run(in_node(i, f"sh -c {shlex.quote(command)}", self.state, self.shared), env=self.env,
-                              capture_output=True,
-                              text=True, **kwargs)
+        return subprocess.run(in_node(i, f"sh -c {shlex.quote(command)}", self.state, self.shared),
+                              env=env or self.env, capture_output=True, text=True, **kwargs)
 
     def lose(self, i: int) -> None:
         """Node i is lost: every process in its namespace SIGKILLed, its link taken down."""
@@ -179,7 +182,7 @@ class NodeCluster:
     def restore(self, i: int, timeout: float = 60.0) -> None:
         """Node i (lost) is back: its link up and a new slurmd, which Slurm returns to service."""
         _ip("link", "set", f"{BRIDGE}-{i}", "up")
-        self._start(i, f"slurmd -D -f {self.state / 'slurm.conf'} -N {HOST.format(i=i)}", f"slurmd.{i}")
+        self.start(i, f"slurmd -D -f {self.state / 'slurm.conf'} -N {HOST.format(i=i)}", f"slurmd.{i}")
         # Its jobs died with it: down (which ends them there), then back to service, as an admin would.
         for state in ("DOWN Reason=lost", "RESUME"):
             subprocess.run(["scontrol", "update", f"NodeName={HOST.format(i=i)}", *f"State={state}".split()],

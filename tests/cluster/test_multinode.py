@@ -179,6 +179,76 @@ def test_members_on_node_1_leave_when_the_driver_on_node_0_falls_silent(two_node
         subprocess.run(["scancel", job], env=cluster.env)  # (it ends with its batch step anyway)
 
 
+@pytest.mark.prefect_server
+def test_the_prefect_launcher_runs_stages_on_a_worker_on_node_1(two_nodes, launched_preset, assert_like_in_process):
+    """A Prefect server on node 0, the run's flow on a worker there, and rollout and optimize
+    routed to a work pool whose one worker is on node 1 (launcher prefect): the stages' resident
+    members run on node 1, talking to the server and the driver across the bridge, and the run
+    equals the in-process one."""
+    import json
+    import signal
+    import urllib.request
+
+    from rlpipe.cluster.netns_cluster import address
+
+    cluster, shared = two_nodes
+    api = f"http://{address(0)}:4200/api"
+    env = {**cluster.env, "PREFECT_HOME": "/tmp/prefect", "PREFECT_API_URL": api,  # (each node's own /tmp)
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+    prefect = f"{sys.executable} -m prefect"
+    home = shared / "prefect"
+    home.mkdir()
+    run_dir = home / "runs" / "mini"  # (the run's name is a column of its artifacts)
+    launch = {"launcher": "prefect", "rollout": {"workers": 1, "work_pool": "rlpipe-stages"},
+              "optimize": {"ranks_per_node": 1, "work_pool": "rlpipe-stages"}}
+    preset = launched_preset(home / "mini.yaml", launch)
+    started = []
+
+    def on(i: int, command: str) -> None:
+        done = cluster.run_on(i, f"cd {home} && {command}", env=env, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def health() -> bool:
+        try:
+            with urllib.request.urlopen(f"{api}/health", timeout=5) as answer:
+                return json.loads(answer.read()) is True
+        except OSError:
+            return False
+
+    try:
+        started.append(cluster.start(0, f"{prefect} server start --host {address(0)} --port 4200", "prefect-server",
+                                     env=env))
+        deadline = time.monotonic() + 120
+        while not health():
+            assert started[0].poll() is None and time.monotonic() < deadline, \
+                (cluster.state / "log" / "prefect-server.out").read_text()[-3000:]
+            time.sleep(0.5)
+        for pool in ("rlpipe-driver", "rlpipe-stages"):
+            on(0, f"{prefect} work-pool create {pool} --type process")
+        on(0, f"{sys.executable} -m rlpipe.flows.deploy --pool rlpipe-driver --name mini --stage-pool rlpipe-stages "
+              f"--preset {preset} --run-dir {run_dir}")
+        # (Prefect workers ignore SIGTERM while they run flows: SIGINT stops them)
+        started.append(cluster.start(0, f"{prefect} worker start --pool rlpipe-driver", "prefect-driver", env=env))
+        started.append(cluster.start(1, f"{prefect} worker start --pool rlpipe-stages", "prefect-stages", env=env))
+        done = cluster.run_on(0, f"cd {home} && {prefect} deployment run rlpipe-run/mini --watch --watch-timeout 300",
+                              env=env, timeout=360)
+        logs = "".join((cluster.state / "log" / f"prefect-{w}.out").read_text()[-3000:] for w in ("driver", "stages"))
+        assert done.returncode == 0 and "Completed" in done.stdout, done.stdout + done.stderr + logs
+        assert_like_in_process(run_dir)
+        members = {stage: "".join(p.read_text() for p in (run_dir / "logs" / "workers").glob(f"{stage}*.log"))
+                   for stage in ("rollout", "optimize")}
+        assert all(set(re.findall(r"on host (node\d)", text)) == {"node1"} for text in members.values()), members
+    finally:
+        for proc in reversed(started):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT if proc is not started[0] else signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
 def test_a_node_lost_mid_run_ends_it_in_one_error_and_the_same_command_resumes(
         two_nodes, launched_preset, assert_like_in_process):
     """Node 1 lost during iteration 2's optimize (one rank held there by a test hook, the other
