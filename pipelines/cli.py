@@ -7,6 +7,7 @@
     rlpipe run [PRESET] [k=v]   run a pipeline preset end to end (no PRESET: the built-in demo)
     rlpipe prune RUN [k=v]      delete the checkpoints and train states a run's `keep` no longer keeps
     rlpipe data import SRC OUT  import prompts or preference pairs (JSONL, CSV, Parquet, datasets)
+    rlpipe model import SRC OUT import a pretrained model from a GGUF file as a checkpoint
     rlpipe submit slurm|k8s PRESET [k=v]   a whole run as one Slurm allocation / Kubernetes Jobs
 
 Each command is one function on the module-level `app`; adding a command is adding a function.
@@ -20,6 +21,11 @@ from typing import Annotated
 
 import typer
 
+from rlpipe.pipelines.cli_imports import data_app, model_app
+from rlpipe.pipelines.cli_output import console as _console
+from rlpipe.pipelines.cli_output import fail as _fail
+from rlpipe.pipelines.cli_output import failed as _failed
+
 app = typer.Typer(
     name="rlpipe",
     help="RL training for language models as a pipeline of stages exchanging typed Parquet artifacts.",
@@ -30,25 +36,6 @@ app = typer.Typer(
 )
 
 
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    from rich.text import Text
-
-    _console(stderr=True).print(Text.assemble(("error: ", "bold red"), message))
-    return typer.Exit(code)
-
-
-def _failed(e: Exception, debug: bool) -> typer.Exit:
-    """The exit of a command that failed with `e` (stages.common.cli.report_failure: a user or
-    machine problem in one `error:` paragraph, a bug with its traceback)."""
-    from rlpipe.stages.common.cli import report_failure
-
-    return typer.Exit(report_failure(e, debug, lambda message: _fail(message, 0)))
 
 
 @app.command()
@@ -238,51 +225,8 @@ def prune(
     console.print(f"{'would free' if dry_run else 'freed'} {freed / 1e6:.1f} MB in {run_dir}", markup=False)
 
 
-data_app = typer.Typer(help="Bring your own data: import files as artifacts.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
-
-
-@data_app.command("import")
-def data_import(
-    source: Annotated[Path, typer.Argument(help="A .jsonl/.json, .csv/.tsv or .parquet file, or a `datasets` directory.")],
-    output: Annotated[Path, typer.Argument(help="The artifact directory to write.")],
-    kind: Annotated[str, typer.Option(help="What the rows are: prompts or preferences (chosen/rejected pairs).")] = "prompts",
-    prompt: Annotated[str | None, typer.Option(help="Column with the prompt text (default: prompt).")] = None,
-    messages: Annotated[str | None, typer.Option(help="Column with chat turns [{role, content}] (default: messages).")] = None,
-    answer: Annotated[str | None, typer.Option(help="Column with the reference answer (default: answer).")] = None,
-    id: Annotated[str | None, typer.Option("--id", help="Column with unique ids (default: prompt_id/pair_id/id; else generated from content).")] = None,
-    chosen: Annotated[str | None, typer.Option(help="Preferences: column with the preferred response (default: chosen).")] = None,
-    rejected: Annotated[str | None, typer.Option(help="Preferences: column with the dispreferred response (default: rejected).")] = None,
-    margin: Annotated[str | None, typer.Option(help="Preferences: column with a per-pair margin (default: margin).")] = None,
-    split: Annotated[str | None, typer.Option(help="The split of a `datasets` directory holding several.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Import again even if the artifact is up to date.")] = False,
-) -> None:
-    """Import prompts or preference pairs as an artifact; other columns of a prompt go to its metadata.
-
-    Rows with repeated ids, empty prompts or text that is not UTF-8 are refused with their line or
-    row numbers. The same as `rlpipe stage import_data source=SRC prompts=OUT ...`.
-    """
-    from rlpipe.schemas.config import ConfigError, parse_config
-    from rlpipe.stages import get_stage
-    from rlpipe.stages.import_data.sources import DataImportError
-
-    if kind not in ("prompts", "preferences"):
-        raise _fail(f"--kind must be prompts or preferences, got {kind!r}", 2)
-    mapping = {k: v for k, v in dict(prompt=prompt, messages=messages, answer=answer, id=id, chosen=chosen,
-                                     rejected=rejected, margin=margin, split=split).items() if v is not None}
-    stage = get_stage("import_data")
-    try:
-        config = parse_config(stage.config_class(), {"source": source, kind: output, **mapping}, "rlpipe data import")
-        m = stage.run(config, force=force)
-    except ConfigError as e:
-        raise _fail(str(e), 2) from None
-    except DataImportError as e:  # a user mistake in the file, like a bad option: exit code 2
-        raise _fail(str(e), 2) from None
-    extra = m.extra
-    kept = extra.get("metadata_columns") or extra.get("ignored_columns") or []
-    kept_what = "metadata" if kind == "prompts" else "ignored"
-    _console().print(f"imported {m.rows} {kind} from {source} into {output} (ids: {extra['ids']}; "
-                     f"{kept_what}: {', '.join(kept) or 'none'}; content {m.content_hash[:12]})", markup=False)
+app.add_typer(model_app, name="model")
 
 
 submit_app = typer.Typer(help="Submit a whole run to a cluster: one Slurm allocation, or Kubernetes Jobs.",

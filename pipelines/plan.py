@@ -7,13 +7,15 @@ built, with the real paths) and drives the runner. A stage's config is the prese
 that stage (its knobs) plus the fields the pipeline assigns: the ones the stage config marks as
 `Input`, `Output` or `Assigned` (see `rlpipe.schemas.config`).
 
-    set-up:     (import_data | task) -> preferences -> base_model -> sft -> reward_model -> critic_init -> evaluate
+    set-up:     (import_data | task) -> preferences -> (base_model | import_model) -> sft -> reward_model
+                -> critic_init -> evaluate
     iteration:  rollout -> score -> (filter) -> (reference) -> advantage -> optimize -> (evaluate)
 
 Stages whose inputs the preset supplies itself (its own prompts, base model or reward model) are
 left out. A `data.*` entry naming a data file (JSONL, CSV, Parquet, a `datasets` directory) rather
 than an artifact is imported into runs/<run>/data/ first (`import_data`, cached by the file's
-content), and later stages read the imported artifact.
+content), and later stages read the imported artifact; so is a model.base naming a .gguf file
+(`import_model`, into runs/<run>/models/base).
 """
 
 from __future__ import annotations
@@ -89,7 +91,10 @@ class Plan:
         return c.train, c.heldout, c.sft or c.train
 
     def base_policy(self) -> Path:
-        return self.preset.model.base or self.layout.model("base")
+        """The base checkpoint: model.base, or where the run builds (base_model) or imports (a
+        .gguf file: import_model) it."""
+        base = self.preset.model.base
+        return base if base is not None and not _is_gguf(base) else self.layout.model("base")
 
     def start_policy(self) -> Path:
         """The policy the first iteration starts from (after SFT when there is SFT)."""
@@ -138,6 +143,10 @@ class Plan:
         trains_rm = p.trains_reward_model
         if trains_rm and p.data.preferences is None:  # before SFT: pairs the prompts cannot give fail in seconds
             calls.append(self.call("preferences", self.setup_dir, prompts=train, output=self.preferences()))
+        if p.model.base is not None and _is_gguf(p.model.base):
+            assigned = {"source": p.model.base, "output": self.base_policy()}  # (stage_config has a `source` arg)
+            calls.append(StageCall("import_model", stage_config("import_model", {**p.import_model, **assigned},
+                                                                self.source), self.setup_dir))
         if p.model.base is None:
             from rlpipe.stages.task.arithmetic import tokenizer_texts
 
@@ -306,3 +315,8 @@ class Plan:
                 c["checkpoint"] = self.reward_model()
             comps.append(c)
         return {"components": comps} if comps else {}
+
+
+def _is_gguf(path: Path) -> bool:
+    """Whether model.base names a GGUF file (imported into the run) rather than a checkpoint."""
+    return Path(path).suffix.lower() == ".gguf"

@@ -49,8 +49,9 @@ class ModelSpec(_Spec):
     """The models a run starts from."""
 
     base: Path | None = None
-    """Base policy checkpoint (Hugging Face directory); None: the `base_model` stage builds a tiny
-    model locally (knobs in the preset's `base_model` section)."""
+    """Base policy checkpoint (Hugging Face directory), or a .gguf file, imported into the run first
+    (the import_model stage; knobs in the preset's `import_model` section); None: the `base_model`
+    stage builds a tiny model locally (knobs in the preset's `base_model` section)."""
     reward_model: Path | None = None
     """A trained reward model to score with (else the preset's reward_model stage trains one)."""
     reference: bool = False
@@ -106,6 +107,8 @@ class Preset(_Spec):
     import_data: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the import_data stage for the data.* entries that name data files: column names
     (prompt, messages, answer, id, chosen, rejected, margin) and split."""
+    import_model: dict[str, Any] = Field(default_factory=dict)
+    """Knobs of the import_model stage when model.base is a .gguf file (dtype)."""
     critic_init: dict[str, Any] = Field(default_factory=dict)
     """Knobs of the critic_init stage (head initialisation) when model.critic is true."""
     rollout: dict[str, Any] = Field(default_factory=dict)

@@ -63,6 +63,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("task", "TaskConfig", "generate a synthetic verifiable task as prompts artifacts"),
     Stage("base_model", "BaseModelConfig", "build a tiny tokenizer and model locally (no download)"),
     Stage("import_data", "ImportDataConfig", "import prompts or preference pairs from JSONL, CSV, Parquet or datasets"),
+    Stage("import_model", "ImportModelConfig", "import a pretrained model from a GGUF file as a checkpoint"),
     Stage("preferences", "PreferencesConfig", "build a synthetic preference set for reward-model training"),
     Stage("sft", "SFTConfig", "supervised warm start (DeepSpeed)", scaling="ranks"),
     Stage("reward_model", "RewardModelConfig", "Bradley-Terry reward-model training (DeepSpeed)", scaling="ranks"),

@@ -206,3 +206,24 @@ def test_a_reward_model_run_saved_before_preferences_kind_was_explicit_is_the_sa
     saved = _saved(tmp_path / "runs" / "grpo_rm", yaml.safe_dump(data, sort_keys=False))
     assert preset_differences(saved, today) == []
     assert preset_differences(saved, load_preset("grpo_rm", ["preferences.wrong=near_miss"])) == ["preferences"]
+
+
+def test_a_gguf_base_model_is_imported_into_the_run_first(tmp_path):
+    """model.base naming a .gguf file: the set-up imports it (its dtype from the preset's
+    import_model section) into runs/<run>/models/base, and every stage reads that checkpoint."""
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
+
+    gguf = tmp_path / "SmolLM2.Q4_1.gguf"
+    preset = load_preset("grpo", [f"model.base={gguf}", "import_model.dtype=float32", "sft=null"])
+    layout = RunLayout(tmp_path / "runs" / "grpo")
+    plan = Plan(preset, layout)
+    setup = plan.setup()
+    [imported] = [c for c in setup if c.name == "import_model"]
+    assert (imported.config.source, imported.config.output, imported.config.dtype) == (gguf, layout.model("base"), "float32")
+    assert [c.name for c in setup].index("import_model") < [c.name for c in setup].index("evaluate")
+    assert "base_model" not in [c.name for c in setup]
+    rollout = plan.iteration(0)[0]
+    assert rollout.name == "rollout" and rollout.config.checkpoint == layout.model("base")
+    # a checkpoint directory stays as it is
+    assert Plan(load_preset("grpo", [f"model.base={tmp_path}", "sft=null"]), layout).base_policy() == tmp_path
