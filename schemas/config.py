@@ -280,6 +280,10 @@ def _describe(cls: type[BaseModel], err: Mapping[str, Any]) -> str:
     loc = list(err["loc"])
     key = ".".join(str(p) for p in _walk(cls, loc)[0]) or "<root>"
     if err["type"] == "extra_forbidden":
+        from rlpipe.schemas.trl_names import trl_hint
+
+        if (said := trl_hint(key)) is not None:  # a name the user brought from TRL: where it lives here
+            return f"unknown key {key!r}: {said}"
         allowed = _fields_at(cls, loc[:-1])
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         return f"unknown key {key!r}{hint}"

@@ -229,3 +229,23 @@ def test_an_output_may_not_overlap_an_input(tmp_path, data, output, overlap):
             load_config(TwoPaths, None, [f"data={tmp_path / data}", f"output={tmp_path / output}"])
     else:
         load_config(TwoPaths, None, [f"data={tmp_path / data}", f"output={tmp_path / output}"])
+
+
+def test_every_trl_name_points_at_a_real_key_and_is_in_the_docs():
+    """schemas/trl_names.py names keys that exist (a preset key, or a key of a stage's config
+    under its section), and docs/from_trl.md lists every one of them."""
+    from rlpipe.pipelines.preset_spec import Preset
+    from rlpipe.schemas.trl_names import TRL_NAMES
+    from rlpipe.stages import STAGES, get_stage
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "from_trl.md").read_text()
+    preset_keys = {k for k, *_ in describe_fields(Preset)}
+    for trl, (where, _) in TRL_NAMES.items():
+        assert f"| `{trl}` | `{where}` |" in doc, f"docs/from_trl.md does not list {trl}"
+        if where.startswith("--"):
+            continue  # (a command-line option)
+        section, _, key = where.partition(".")
+        if section in STAGES and key:
+            assert key in {k for k, *_ in describe_fields(get_stage(section).config_class())}, where
+        else:
+            assert where in preset_keys, where

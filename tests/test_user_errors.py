@@ -206,6 +206,20 @@ def test_unknown_preset_key(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("given", "named"), [
+    ("num_generations=8", "rollout.group_size"), ("rollout.num_generations=8", "rollout.group_size"),
+    ("num_iterations=2", "optimize.epochs"), ("optimize.beta=0.1", "optimize.kl_beta")])
+def test_a_trl_name_gets_one_line_naming_rlpipes_key(tmp_path, given, named):
+    code, out = cli("run", "grpo", given, "--local", "--run-dir", tmp_path / "run")
+    assert code == 2, out
+    trl = given.split("=")[0].rsplit(".", 1)[-1]
+    # (a key inside a stage's section is named within that stage's config: 'beta' of optimize)
+    message = assert_user_error(out, f"unknown key '{trl}'", f"TRL's {trl} is rlpipe's {named}")
+    [line] = [line for line in message.splitlines() if "unknown key" in line]  # one line, no key list
+    assert "allowed keys" not in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_stage_name(tmp_path):
     code, out = script("stage", "scroe", cwd=tmp_path)
     assert code == 2, out
