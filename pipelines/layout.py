@@ -2,10 +2,12 @@
 
     runs/<run>/
       preset.yaml                   the resolved preset the run was started with
+      hub.json                      what its Hugging Face Hub ids resolved to (id, revision, commit)
       configs/<stage>.yaml          the exact config of each set-up stage (task, base_model, sft, ...)
       data/task/{train,heldout,sft}/  prompts artifacts of the generated task (stage `task`)
       data/preferences/             preferences artifact (stage `preferences`, when a reward model is trained)
-      models/base/                  base policy checkpoint (stage `base_model`, when model.base is unset)
+      models/base/                  base policy checkpoint (stage `base_model` when model.base is unset,
+                                    `import_model` when it names a .gguf file)
       models/sft/, sft_metrics/     SFT warm start and its loss curve (when configured)
       models/reward/, reward_metrics/  reward model (when trained by the pipeline)
       models/critic/                initial critic (stage `critic_init`, PPO)
@@ -43,6 +45,10 @@ class RunLayout:
     @property
     def preset_file(self) -> Path:
         return self.root / "preset.yaml"
+
+    @property
+    def hub_record(self) -> Path:
+        return self.root / "hub.json"
 
     def data(self, name: str) -> Path:
         return self.root / "data" / name

@@ -49,11 +49,14 @@ class ModelSpec(_Spec):
     """The models a run starts from."""
 
     base: Path | None = None
-    """Base policy checkpoint (Hugging Face directory), or a .gguf file, imported into the run first
-    (the import_model stage; knobs in the preset's `import_model` section); None: the `base_model`
-    stage builds a tiny model locally (knobs in the preset's `base_model` section)."""
+    """Base policy: a checkpoint directory; a Hugging Face Hub id `org/name` or `org/name@revision`
+    (resolved through the Hub cache once per run, its commit recorded in runs/<run>/hub.json:
+    `pipelines/hub_models.py`); or a .gguf file, imported into the run first (the import_model
+    stage; knobs in the preset's `import_model` section). None: the `base_model` stage builds a
+    tiny model locally (knobs in the preset's `base_model` section)."""
     reward_model: Path | None = None
-    """A trained reward model to score with (else the preset's reward_model stage trains one)."""
+    """A trained reward model to score with, a directory or a Hub id as `base` (else the preset's
+    reward_model stage trains one)."""
     reference: bool = False
     """Keep the starting policy (after SFT) as the frozen reference for KL."""
     critic: bool = False

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from rlpipe.pipelines.hub_models import resolve_models, write_record
 from rlpipe.pipelines.keep import prune_run
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.lock import run_lock
@@ -70,7 +71,10 @@ class Pipeline:
                  log: Callable[[str], None] = print):
         self.preset = preset
         self.layout = RunLayout(Path(run_dir) if run_dir is not None else Path("runs") / preset.name)
-        self.plan = Plan(preset, self.layout, str(self.layout.preset_file))
+        # (models named by Hub id run from their snapshot folders; the preset saved keeps the ids)
+        model, self.hub_models = resolve_models(dict(preset.model), self.layout.hub_record)
+        planned = preset.model_copy(update={"model": preset.model.model_copy(update=model)})
+        self.plan = Plan(planned, self.layout, str(self.layout.preset_file))
         from rlpipe.cluster.launchers import launcher_for
 
         # (GPUs two resident groups would share are refused here, before anything starts)
@@ -191,6 +195,9 @@ class Pipeline:
                     f"pass another run directory (--run-dir DIR) or delete {L.root} to start over"
                 )
         write_if_changed(L.preset_file, yaml.safe_dump(preset, sort_keys=False).encode())
+        write_record(L.hub_record, self.hub_models)
+        for key, hub in self.hub_models.items():
+            self.log(f"model.{key}: {hub.id} at {hub.revision} is commit {hub.commit} ({hub.path})")
 
     # -- what the user sees ----------------------------------------------------------------
     def _iteration_metrics(self, k: int) -> dict[str, float]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlpipe.schemas.errors import UserError
 from rlpipe.stages.common.forward import pack
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.optimize.config import OptimizeConfig, TRPOLoss
@@ -74,10 +75,18 @@ def prepare(config: OptimizeConfig, d: Any) -> Work:
                        need_ref=config.kl_beta > 0 and config.lora is None, need_values=config.critic is not None)
     n = len(batch)
     minibatch = config.minibatch_size or n
-    schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
-                             config.micro_batch_size) for e in range(config.epochs)]
-    grad_accum = minibatch // (d.world_size * config.micro_batch_size)
-    dscfg = ds.ds_config(config.zero_stage, micro_batch_size=config.micro_batch_size, grad_accum=grad_accum,
+    # A micro-batch bounds memory: one larger than a rank's share of a step is that share (a small
+    # iteration, 2 prompts x 2 samples, under the default of 8).
+    micro = min(config.micro_batch_size, max(minibatch // d.world_size, 1))
+    try:
+        schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
+                                 micro) for e in range(config.epochs)]
+    except ValueError as e:
+        raise UserError(f"optimize cannot cut the iteration's rows into steps: {e}; set optimize.minibatch_size "
+                        "and optimize.micro_batch_size to divide them (prompts_per_iteration x rollout.group_size "
+                        "rows, split over the optimize ranks)") from None
+    grad_accum = minibatch // (d.world_size * micro)
+    dscfg = ds.ds_config(config.zero_stage, micro_batch_size=micro, grad_accum=grad_accum,
                          world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
     # seq-mean-token-sum-norm's L: the most tokens one response of the batch sampled (an episode's
     # environment tokens are not trained on, so they do not count in L either).
