@@ -4,7 +4,9 @@ make a bad row an error naming the file, the column and the rows.
 Ids: a source without an id column gets ids generated from each row's content (`content_id`): a
 hash of the imported row, not its row number, so a prompt keeps its id when rows are added,
 removed or reordered (its rollouts, scores and evaluations stay comparable across versions of
-the file), and two identical rows get the same id and are refused as duplicates.
+the file). A row repeated in the file (RL data sets repeat prompts, and TRL trains on each
+repeat) is kept as its own row: its k-th repeat gets the id `<hash>-<k>`, the same on every import
+of that file. Ids the file gives itself must be unique.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -166,18 +169,26 @@ def build_table(config: ImportDataConfig, source: Source) -> tuple[dict[str, lis
     if cols["id"] is not None:
         ids = [_scalar_text(v) for v in take("id")]
         check.column(cols["id"], ids, lambda v: v is None or v == "", "has no id")
+        dups = duplicate_ids(ids)
+        if dups:
+            raise DataImportError(f"{source.path}: column {cols['id']!r} repeats ids: {_dups_at(source, dups)}: "
+                                  f"every {id_name} must be unique: remove the repeats or fix the ids")
     else:
-        ids = [content_id({k: v[i] for k, v in table.items()}) for i in range(len(rows))]
-    dups = duplicate_ids(ids)
-    if dups:
-        what = (f"column {cols['id']!r} repeats ids" if cols["id"] is not None
-                else "has identical rows (their generated ids are equal)")
-        raise DataImportError(f"{source.path}: {what}: {_dups_at(source, dups)}: every {id_name} must be "
-                              "unique: remove the repeats or fix the ids")
+        ids = _numbered_repeats([content_id({k: v[i] for k, v in table.items()}) for i in range(len(rows))])
     summary = {"source_format": source.format, "columns": {k: v for k, v in cols.items() if v is not None},
                "ids": f"column {cols['id']!r}" if cols["id"] is not None else "generated from row content (sha256)",
                ("metadata_columns" if config.kind == "prompts" else "ignored_columns"): extra}
     return {id_name: ids, **table}, summary
+
+
+def _numbered_repeats(ids: list[str]) -> list[str]:
+    """Content ids with each repeat of an id numbered in file order: a, a-1, a-2, ..."""
+    seen: Counter[str] = Counter()
+    out = []
+    for i in ids:
+        out.append(i if not seen[i] else f"{i}-{seen[i]}")
+        seen[i] += 1
+    return out
 
 
 def _finite(v: Any) -> bool:

@@ -101,9 +101,21 @@ def test_repeated_ids_are_refused_with_lines(tmp_path):
                    '{"id": "b", "prompt": "w"}\n')
     with pytest.raises(DataImportError, match=rf"{src}: column 'id' repeats ids: 'a' at lines 1, 4; 'b' at lines 3, 5"):
         _import(src, tmp_path / "out")
-    src.write_text('{"prompt": "x"}\n{"prompt": "y"}\n{"prompt": "x"}\n')  # no id column: identical rows
-    with pytest.raises(DataImportError, match=r"has identical rows \(their generated ids are equal\): '[0-9a-f]{16}' at lines 1, 3"):
-        _import(src, tmp_path / "out")
+
+
+def test_repeated_prompts_without_ids_are_kept_each_with_its_own_stable_id(tmp_path):
+    """RL data sets repeat prompts (TRL trains on each repeat): without an id column each repeat
+    is its own row, its id the content id numbered by repeat, the same on a second import."""
+    from rlpipe.schemas import read_table_artifact
+
+    src = tmp_path / "repeats.jsonl"
+    src.write_text('{"prompt": "x"}\n{"prompt": "y"}\n{"prompt": "x"}\n{"prompt": "x"}\n')
+    _import(src, tmp_path / "out")
+    ids = read_table_artifact(tmp_path / "out").column("prompt_id").to_pylist()
+    x, y = ids[:2]
+    assert ids == [x, y, f"{x}-1", f"{x}-2"] and x != y and all(len(i) == 16 for i in (x, y))
+    _import(src, tmp_path / "again")
+    assert read_table_artifact(tmp_path / "again").column("prompt_id").to_pylist() == ids
 
 
 def test_empty_prompts_are_refused_with_rows(tmp_path):
