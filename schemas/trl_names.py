@@ -49,10 +49,10 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
 
 
 def trl_hint(key: str) -> str | None:
-    """For an unknown preset key (dotted), the line naming rlpipe's key when its last part is a
-    TRL name; else None."""
-    name = key.rsplit(".", 1)[-1]
-    if name not in TRL_NAMES:
+    """For an unknown key at the top of a config (a preset's, or a stage's: `optimize.beta` in a
+    preset is the optimize config's `beta`), the line naming rlpipe's key when it is a TRL name;
+    else None (a nested key is some variant's knob, not TRL's)."""
+    if key not in TRL_NAMES:
         return None
-    where, meaning = TRL_NAMES[name]
-    return f"TRL's {name} is rlpipe's {where} ({meaning})"
+    where, meaning = TRL_NAMES[key]
+    return f"TRL's {key} is rlpipe's {where}: {meaning}"

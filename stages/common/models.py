@@ -153,7 +153,10 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
 
     slots = MODELS.slots
     held, arch = slots.get(slot), architecture(path)
-    if held is not None and held.kind == kind and held.architecture == arch:
+    # (weights in place only from safetensors: other formats go through the full load, which
+    # refuses pickled ones naming the file)
+    in_place = any(Path(path).glob("*.safetensors"))
+    if held is not None and held.kind == kind and held.architecture == arch and in_place:
         if held.key != key:
             copy_weights(held.model, path)
             held.key, held.how = key, "in_place"

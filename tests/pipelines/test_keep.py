@@ -147,7 +147,10 @@ def test_async_state_every_3_without_tables_prunes_resumes_after_a_kill_and_exte
     # survived iteration 4's prune, which deleted tables 0-2 and policies 0 and 1.
     killed = _rlpipe(tmp_path, *argv)
     deadline = time.monotonic() + 300
-    while not (run_dir / "iter_0005" / "advantages" / "_manifest.json").is_file():
+    # (rollout 5's lane runs beside optimize 4: its advantages may exist before iteration 4 is
+    # finished and pruned; the kill waits for both)
+    while not ((run_dir / "iter_0005" / "advantages" / "_manifest.json").is_file()
+               and (run_dir / "iter_0002" / "rollouts" / PRUNED_NAME).is_file()):
         assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0]
         time.sleep(0.01)
     killed.send_signal(signal.SIGKILL)

@@ -57,9 +57,13 @@ def _one_paragraph(output: str) -> str:
     return message
 
 
-def test_weights_pickled_with_code_are_refused_naming_the_file(tmp_path, tiny_policy_dir):
+@pytest.mark.parametrize("held", [False, True], ids=["fresh", "after-a-rollout-of-its-architecture"])
+def test_weights_pickled_with_code_are_refused_naming_the_file(tmp_path, tiny_policy_dir, held):
     marker = tmp_path / "code-ran"
     hostile = _pickled(tiny_policy_dir, tmp_path / "hostile", {"extra": _RunsCode(marker)})
+    if held:  # the rollout's model slot holds a model of the same architecture: no in-place copy from a pickle
+        (tmp_path / "warm").mkdir()
+        assert _rollout(tmp_path / "warm", tiny_policy_dir)[0] == 0
     code, out = _rollout(tmp_path, hostile)
     assert code == 2, out
     message = _one_paragraph(out)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlpipe.schemas import read_manifest, read_table_artifact, validate_artifact
+from rlpipe.schemas.errors import UserError
 from rlpipe.stages.advantage.kl import kl
 from rlpipe.stages.common.forward import teacher_forced_logprobs
 from rlpipe.stages.common.models import load_model
@@ -139,7 +140,7 @@ def test_bad_inputs_are_named(tmp_path, tiny_tokenizer, tiny_policy_dir, build, 
     with pytest.raises(ValueError, match="rows of the advantages .* are missing"):
         run(make_config(tmp_path, {"rollouts": other["rollouts"], "advantages": arts["advantages"]},
                             tiny_policy_dir))
-    with pytest.raises(ValueError, match="minibatch_size"):
+    with pytest.raises(UserError, match="rows 16, minibatch_size 12.*set optimize.minibatch_size"):
         run(make_config(tmp_path, arts, tiny_policy_dir, minibatch_size=12, micro_batch_size=4))
     with pytest.raises(ValueError, match="critic_output"):
         make_config(tmp_path, arts, tiny_policy_dir, critic=tiny_policy_dir)
