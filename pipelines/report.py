@@ -82,6 +82,7 @@ def step_metrics(metrics_dir: Path | str) -> dict[str, float]:
 def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
     """The summary of iteration k (without stage times): reward, accuracy (scores), response
     length and truncation (rollouts), optimiser metrics (metrics), held-out metrics (eval)."""
+    import numpy as np
     import pyarrow.compute as pc
 
     it = Path(run_dir) / iteration_dir_name(k)
@@ -90,8 +91,8 @@ def iteration_metrics(run_dir: Path | str, k: int) -> dict[str, float]:
         s = read_table_artifact(it / "scores")
         out["reward_mean"] = float(pc.mean(s["reward"]).as_py())
         out["reward_std"] = float(pc.stddev(s["reward"], ddof=1).as_py() or 0.0)
-        if ACCURACY_COMPONENT in s.column_names:
-            out["accuracy"] = float(pc.mean(s[ACCURACY_COMPONENT]).as_py())
+        if ACCURACY_COMPONENT in s.column_names:  # (NaN: a row a TRL-style function left out)
+            out["accuracy"] = float(np.nanmean(s[ACCURACY_COMPONENT].to_numpy()))
     if exists(it / "rollouts"):
         t = read_table_artifact(it / "rollouts", columns=["response_token_ids", "response_mask", "finish_reason",
                                                            "iteration", "policy_version", "num_turns", "turns"])

@@ -62,7 +62,8 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
     mine = worker_shards(len(shards), config.worker_index, config.worker_count)
 
     engine = get_engine(config.engine)(config.checkpoint, config)
-    token_ids = _tokenize(engine, groups, config)
+    templated = _use_chat_template(engine, groups, config)
+    token_ids = _tokenize(engine, groups, config, templated)
     # Inputs are valid: only now does the old artifact stop existing (manifest removed first).
     writer = ArtifactWriter(config.output, ROLLOUTS, stage=STAGE, config=config.resolved(),
                             inputs=inputs, cache_key=key, clean=config.worker_index is None)
@@ -105,7 +106,8 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
 
     # Which policy sampled (its checkpoint and content hash are the `checkpoint` input): after how many
     # optimize runs, and how many iterations behind the one these rollouts train (async staleness).
-    sampled_by = {"policy_version": config.policy_version, "staleness": config.iteration - config.policy_version}
+    sampled_by = {"policy_version": config.policy_version, "staleness": config.iteration - config.policy_version,
+                  "chat_template": templated}  # (the prompts went through it: a TRL reward sees messages)
     timing = {"generate_s": round(gen_s, 3), "generated_tokens": n_tokens,
               "tokens_per_s": round(n_tokens / gen_s, 1) if gen_s else None,
               "engine_start_s": round(engine.start_s, 3), "model_load": engine.model_load}
@@ -158,10 +160,9 @@ def _use_chat_template(engine, groups: list[dict[str, Any]], config: RolloutConf
     return use
 
 
-def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> list[list[int]]:
-    """Prompt token ids per group (templated when the chat template applies); every prompt must
+def _tokenize(engine, groups: list[dict[str, Any]], config: RolloutConfig, templated: bool) -> list[list[int]]:
+    """Prompt token ids per group (through the chat template when `templated`); every prompt must
     leave room for max_new_tokens."""
-    templated = _use_chat_template(engine, groups, config)
     cache: dict[str, list[int]] = {}
     out = []
     for row in groups:

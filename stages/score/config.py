@@ -107,17 +107,28 @@ class OverlongComponent(_Component):
 
 
 class PythonComponent(_Component):
-    """A user reward or verifier `fn(prompts, responses, answers, **kwargs) -> list[float]`.
+    """A user reward or verifier, called on batches of `batch_size` rows, in one of two styles.
 
-    Called on batches of `batch_size` rows: three lists of equal length (prompt texts, response
-    texts, reference answers or None); returns one finite float per row (a verifier: 1.0 / 0.0).
-    A function that takes a `metadata` keyword (or **kwargs) also gets the rows' prompt metadata:
-    a list of dicts, one per row ({} where the prompt has none).
+    rlpipe's: `fn(prompts, responses, answers, **kwargs) -> list[float]`, three lists of equal
+    length (prompt texts, response texts, reference answers or None), one finite float per row (a
+    verifier: 1.0 / 0.0). A function that takes a `metadata` keyword (or **kwargs) also gets the
+    rows' prompt metadata: a list of dicts, one per row ({} where the prompt has none).
+
+    TRL's (a reward function written for TRL's GRPOTrainer, unchanged): `fn(completions, **kwargs)`
+    called with every argument by keyword: `prompts`, `completions`, `completion_ids`, the rows'
+    `answer` and each key of their metadata (the data set's other columns) as its own keyword, None
+    where a row lacks it; prompts and completions as messages ([{role, content}]) where the rollout
+    used the chat template, as TRL does for a conversational data set. It returns a float or None
+    per row: None (the function does not apply to that row) adds nothing to the row's total and is
+    left out of the component's mean, as in TRL.
     """
 
     type: Literal["python"] = "python"
     function: ImportRef
     """Import path 'package.module:function'."""
+    style: Literal["auto", "rlpipe", "trl"] = "auto"
+    """How the function is called: 'auto' (TRL's way when it names a `completions` parameter,
+    else rlpipe's), 'rlpipe' or 'trl' for a signature that could be either."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed on every call (JSON-able)."""
     batch_size: int = Field(256, ge=1)

@@ -15,11 +15,13 @@ def combine(weights: Sequence[float], components: Sequence[np.ndarray]) -> np.nd
         components: r_k, each (N,).
 
     Returns:
-        R = sum_k w_k * r_k, (N,) float64.
+        R = sum_k w_k * r_k, (N,) float64; a component with no value for a row (NaN: a TRL-style
+        function's None) adds nothing to it, as TRL's nansum.
     """
     if len(weights) != len(components) or not components:
         raise ValueError(f"{len(weights)} weights for {len(components)} components")
     total = np.zeros_like(np.asarray(components[0], dtype=np.float64))
     for w, r in zip(weights, components, strict=True):
-        total += w * np.asarray(r, dtype=np.float64)  # R += w_k * r_k
+        r = np.asarray(r, dtype=np.float64)
+        total += w * np.where(np.isnan(r), 0.0, r)  # R += w_k * r_k
     return total

@@ -95,7 +95,7 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
     with progress(f"score{config.worker_label()}: shards", len(mine)) as advance:
         for name in mine:
             table = read_shard(config.rollouts / name, ROLLOUTS, columns=READ, info=entries[name])
-            rows = _rows(config.rollouts / name, table)
+            rows = _rows(config.rollouts / name, table, chat=listing.extra.get("sampled_by", {}).get("chat_template", False))
             values = [run_scorer(c, s, rows) for c, s in zip(config.components, scorers, strict=True)]
             written.append(writer.write_shard(_scores_table(table, rows, config, values), shard_index(name)))
             advance()
@@ -106,7 +106,7 @@ def run(config: ScoreConfig, start: StageStart) -> Manifest:
                                 commit=lambda: _commit(writer, config, names, started))
 
 
-def _rows(shard: Path, table: pa.Table) -> Rows:
+def _rows(shard: Path, table: pa.Table, *, chat: bool = False) -> Rows:
     positions = pc.list_value_length(table.column("response_token_ids")).to_pylist()
     sampled = sampled_lengths(table.column("response_mask"), positions, what=f"{shard}: column 'response_mask'")
     episodes = table.column("turns").null_count < table.num_rows
@@ -120,6 +120,8 @@ def _rows(shard: Path, table: pa.Table) -> Rows:
         sample_indices=table.column("sample_index").to_pylist(),
         metadata=_metadata(shard, table),
         turns=table.column("turns").to_pylist() if episodes else None,
+        response_ids=table.column("response_token_ids").to_pylist(),
+        chat=chat,
         environment_rewards=table.column("environment_reward").to_pylist() if episodes else None,
     )
 
@@ -158,6 +160,7 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
     with the mean of the total and of each component."""
     in_rows = {f.name: f.rows for f in read_manifest(config.rollouts).files}
     sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     total_rows = 0
     for n in names:
         path = writer.staging / n
@@ -165,8 +168,11 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
             raise ArtifactError(f"{path}: row count differs from {config.rollouts / n}; rerun the stage")
         t = read_shard(path, SCORES, columns=["reward", *(f"reward__{c.name}" for c in config.components)])
         total_rows += t.num_rows
-        for col in t.column_names:
-            sums[col] = sums.get(col, 0.0) + float(pc.sum(t.column(col)).as_py() or 0.0)
-    extra = {f"{k}_mean": v / total_rows for k, v in sums.items()} if total_rows else {}
+        for col in t.column_names:  # (a row a TRL-style component left out, NaN, is not in its mean)
+            values = t.column(col).to_numpy().astype(np.float64)
+            kept = ~np.isnan(values)
+            sums[col] = sums.get(col, 0.0) + float(values[kept].sum())
+            counts[col] = counts.get(col, 0) + int(kept.sum())
+    extra = {f"{k}_mean": v / counts[k] for k, v in sums.items() if counts[k]} if total_rows else {}
     return writer.commit(extra=extra, wall_time_s=time.time() - started)
 

@@ -44,6 +44,11 @@ class Rows:
     """Episodes: each row's turns (schemas/rollouts.py), None for a single-turn row."""
     environment_rewards: list[float | None] | None = None
     """Episodes: the reward the environment gave each row (None where it gave none)."""
+    response_ids: list[list[int]] | None = None
+    """Each row's response token ids (what a TRL reward function gets as `completion_ids`)."""
+    chat: bool = False
+    """Whether the rollout put the prompts through the chat template (a TRL reward function then
+    gets prompts and completions as messages)."""
 
     @property
     def answers_in(self) -> list[str]:
@@ -98,11 +103,13 @@ def build_scorer(component: Any) -> Scorer:
 
 
 def run_scorer(component: Any, scorer: Scorer, rows: Rows) -> np.ndarray:
-    """Call `scorer` on `rows`; check one finite float per row. Returns (N,) float64."""
+    """Call `scorer` on `rows`; check one finite float per row (NaN for a row a TRL-style function
+    left out, None: `leaves_rows_out`). Returns (N,) float64."""
     values = np.asarray(scorer(rows), dtype=np.float64)
     if values.shape != (len(rows),):
         raise ScoreError(component, rows.shard, "", f"returned {values.size} values for {len(rows)} rows")
-    bad = np.flatnonzero(~np.isfinite(values))
+    left_out = np.isnan(values) if getattr(scorer, "leaves_rows_out", False) else np.zeros(len(values), bool)
+    bad = np.flatnonzero(~np.isfinite(values) & ~left_out)
     if bad.size:
         i = int(bad[0])
         raise ScoreError(component, rows.shard, rows.where(i), f"value {values[i]} is not finite")
@@ -196,29 +203,39 @@ def python_scorer(c: Any) -> Scorer:
         fn = import_function(c.function)
     except ValueError as e:
         raise ScoreError(c, None, "", str(e)) from None
-    with_metadata = accepts_metadata(fn)
-    # An episode's turns go only to a function that names `turns` (not through **kwargs).
-    with_turns = accepts_keyword(fn, "turns", through_var_kw=False)
-    for name, given in (("metadata", with_metadata), ("turns", with_turns)):
-        if given and name in c.kwargs:
-            raise ScoreError(c, None, "", f"{c.function} takes the rows' `{name}`; kwargs may not set it too")
-    fn = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
+    trl = c.style == "trl" or c.style == "auto" and accepts_keyword(fn, "completions", through_var_kw=False)
+    call = _trl_call(c, contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate), _named(fn)) if trl else None
+    if not trl:
+        with_metadata = accepts_metadata(fn)
+        # An episode's turns go only to a function that names `turns` (not through **kwargs).
+        with_turns = accepts_keyword(fn, "turns", through_var_kw=False)
+        for name, given in (("metadata", with_metadata), ("turns", with_turns)):
+            if given and name in c.kwargs:
+                raise ScoreError(c, None, "", f"{c.function} takes the rows' `{name}`; kwargs may not set it too")
+        contained = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
+
+        def call(rows: Rows, a: int, b: int) -> Any:
+            extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
+            if with_turns:
+                extra["turns"] = list(rows.turns[a:b]) if rows.turns is not None else [None] * (b - a)
+            return contained(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []
         for a in range(0, len(rows), c.batch_size):
             b = min(a + c.batch_size, len(rows))
-            extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
-            if with_turns:
-                extra["turns"] = list(rows.turns[a:b]) if rows.turns is not None else [None] * (b - a)
             try:
-                values = fn(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
-                values = list(values)
+                values = list(call(rows, a, b))
+            except ScoreError:
+                raise
             except Exception as e:  # a user function: report where, keep the original as cause
                 raise ScoreError(c, rows.shard, f"rows {a}..{b - 1}", f"{c.function} raised {type(e).__name__}: {e}") from e
             if len(values) != b - a:
                 raise ScoreError(c, rows.shard, f"rows {a}..{b - 1}", f"{c.function} returned {len(values)} values for {b - a} rows")
             for j, v in enumerate(values):
+                if v is None and trl:  # TRL's "does not apply to this row": no value (adds 0 to the total)
+                    out.append(math.nan)
+                    continue
                 try:
                     x = float(v)
                 except (TypeError, ValueError):
@@ -228,7 +245,46 @@ def python_scorer(c: Any) -> Scorer:
                 out.append(x)
         return out
 
+    score.leaves_rows_out = trl  # type: ignore[attr-defined]  (run_scorer: NaN marks a row left out)
     return score
+
+
+#: What a TRL reward function gets besides the rows' dataset columns.
+_TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def _named(fn: Callable[..., Any]) -> set[str]:
+    """The parameters `fn` requires by name (no default; not *args / **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty}
+
+
+def _trl_call(c: Any, fn: Callable[..., Any], named: set[str]) -> Callable[[Rows, int, int], Any]:
+    """Rows a..b as TRL's GRPOTrainer calls a reward function: every argument by keyword; prompts
+    and completions as text, or as messages where the rollout used the chat template (TRL's
+    conversational format); `completion_ids`; each dataset column as its own keyword (the
+    prompts' `answer` and every key of their metadata, None where a row lacks it; a column the
+    function names is given even where no row of the shard has it, as a data set's column is)."""
+    wanted = named - set(_TRL_ARGUMENTS) - set(c.kwargs)
+
+    def call(rows: Rows, a: int, b: int) -> Any:
+        prompts, completions = list(rows.prompts[a:b]), list(rows.responses[a:b])
+        if rows.chat:
+            prompts = [[{"role": "user", "content": p}] for p in prompts]
+            completions = [[{"role": "assistant", "content": r}] for r in completions]
+        columns: dict[str, list[Any]] = {"answer": list(rows.answers[a:b])}
+        for key in sorted({k for m in rows.metadata for k in m} | (wanted - set(columns))):  # (a batch may lack one)
+            columns[key] = [m.get(key) for m in rows.metadata[a:b]]
+        clash = sorted((set(_TRL_ARGUMENTS) | set(c.kwargs)) & set(columns))
+        if clash:
+            raise ScoreError(c, rows.shard, "", f"the prompts' metadata key(s) {clash} would be given twice to "
+                             f"{c.function}: rename them in the data, or leave them out of kwargs")
+        ids = rows.response_ids[a:b] if rows.response_ids is not None else [None] * (b - a)
+        return fn(prompts=prompts, completions=completions, completion_ids=list(ids), **columns, **c.kwargs)
+    return call
 
 
 @register("environment")

@@ -61,7 +61,7 @@ def test_rollout_k_samples_from_the_policy_of_iteration_k_minus_2(in_order):
         expected = read_manifest(sampler).content_hash if k >= 2 else start
         assert rollouts.inputs["checkpoint"].content_hash == expected, k
         assert Path(rollouts.inputs["checkpoint"].path).resolve() == sampler.resolve()
-        assert rollouts.extra["sampled_by"] == {"policy_version": max(0, k - 1), "staleness": min(k, 1)}
+        assert rollouts.extra["sampled_by"] == {"policy_version": max(0, k - 1), "staleness": min(k, 1), "chat_template": False}
         rows = read_table_artifact(in_order / f"iter_{k:04d}" / "rollouts").to_pydict()
         assert set(rows["policy_version"]) == {max(0, k - 1)}
         # optimize k still continues from optimize k-1's policy, with truncated importance sampling

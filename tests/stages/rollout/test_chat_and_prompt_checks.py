@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.schemas import PROMPTS, read_table_artifact, write_table_artifact
+from rlpipe.schemas import PROMPTS, read_manifest, read_table_artifact, write_table_artifact
 from rlpipe.stages.rollout.config import RolloutConfig
 from rlpipe.stages.rollout.run import run
 
@@ -73,6 +73,8 @@ def test_stored_prompt_ids_are_the_templated_ones(chat_policy, tmp_path):
         source = next(c for c in CHATS if c["prompt_id"] == row["prompt_id"])
         assert row["metadata"] == source["metadata"]  # metadata rides along, null stays null
         assert row["prompt"] == source["prompt"]
+    # (recorded: a TRL-style reward function then gets prompts and completions as messages)
+    assert read_manifest(tmp_path / "r").extra["sampled_by"]["chat_template"] is True
 
 
 def test_chat_template_false_tokenizes_plain_prompts_as_is(chat_policy, tmp_path):
@@ -83,6 +85,7 @@ def test_chat_template_false_tokenizes_plain_prompts_as_is(chat_policy, tmp_path
     tok = AutoTokenizer.from_pretrained(chat_policy)
     row = read_table_artifact(tmp_path / "r").to_pylist()[0]
     assert row["prompt_token_ids"] == tok("Q: 1+2= A:").input_ids
+    assert read_manifest(tmp_path / "r").extra["sampled_by"]["chat_template"] is False
 
 
 def test_messages_without_a_template_are_refused(chat_policy, tiny_policy_dir, tmp_path):
