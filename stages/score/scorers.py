@@ -204,21 +204,7 @@ def python_scorer(c: Any) -> Scorer:
     except ValueError as e:
         raise ScoreError(c, None, "", str(e)) from None
     trl = c.style == "trl" or c.style == "auto" and accepts_keyword(fn, "completions", through_var_kw=False)
-    call = _trl_call(c, contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate), _named(fn)) if trl else None
-    if not trl:
-        with_metadata = accepts_metadata(fn)
-        # An episode's turns go only to a function that names `turns` (not through **kwargs).
-        with_turns = accepts_keyword(fn, "turns", through_var_kw=False)
-        for name, given in (("metadata", with_metadata), ("turns", with_turns)):
-            if given and name in c.kwargs:
-                raise ScoreError(c, None, "", f"{c.function} takes the rows' `{name}`; kwargs may not set it too")
-        contained = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
-
-        def call(rows: Rows, a: int, b: int) -> Any:
-            extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
-            if with_turns:
-                extra["turns"] = list(rows.turns[a:b]) if rows.turns is not None else [None] * (b - a)
-            return contained(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
+    call = _trl_call(c, fn) if trl else _rlpipe_call(c, fn)
 
     def score(rows: Rows) -> list[float]:
         out: list[float] = []
@@ -249,6 +235,26 @@ def python_scorer(c: Any) -> Scorer:
     return score
 
 
+def _rlpipe_call(c: Any, fn: Callable[..., Any]) -> Callable[[Rows, int, int], Any]:
+    """Rows a..b as rlpipe calls a reward function: `fn(prompts, responses, answers, **kwargs)`,
+    plus the rows' `metadata` for a function that takes it and an episode's `turns` for one that
+    names them."""
+    with_metadata = accepts_metadata(fn)
+    # An episode's turns go only to a function that names `turns` (not through **kwargs).
+    with_turns = accepts_keyword(fn, "turns", through_var_kw=False)
+    for name, given in (("metadata", with_metadata), ("turns", with_turns)):
+        if given and name in c.kwargs:
+            raise ScoreError(c, None, "", f"{c.function} takes the rows' `{name}`; kwargs may not set it too")
+    contained = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
+
+    def call(rows: Rows, a: int, b: int) -> Any:
+        extra = {"metadata": list(rows.metadata[a:b])} if with_metadata else {}
+        if with_turns:
+            extra["turns"] = list(rows.turns[a:b]) if rows.turns is not None else [None] * (b - a)
+        return contained(rows.prompts[a:b], rows.responses[a:b], rows.answers[a:b], **c.kwargs, **extra)
+    return call
+
+
 #: What a TRL reward function gets besides the rows' dataset columns.
 _TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
@@ -262,13 +268,14 @@ def _named(fn: Callable[..., Any]) -> set[str]:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty}
 
 
-def _trl_call(c: Any, fn: Callable[..., Any], named: set[str]) -> Callable[[Rows, int, int], Any]:
+def _trl_call(c: Any, fn: Callable[..., Any]) -> Callable[[Rows, int, int], Any]:
     """Rows a..b as TRL's GRPOTrainer calls a reward function: every argument by keyword; prompts
     and completions as text, or as messages where the rollout used the chat template (TRL's
     conversational format); `completion_ids`; each dataset column as its own keyword (the
     prompts' `answer` and every key of their metadata, None where a row lacks it; a column the
     function names is given even where no row of the shard has it, as a data set's column is)."""
-    wanted = named - set(_TRL_ARGUMENTS) - set(c.kwargs)
+    wanted = _named(fn) - set(_TRL_ARGUMENTS) - set(c.kwargs)
+    contained = contain(fn, ref=c.function, timeout_s=c.timeout_s, isolate=c.isolate)
 
     def call(rows: Rows, a: int, b: int) -> Any:
         prompts, completions = list(rows.prompts[a:b]), list(rows.responses[a:b])
@@ -283,7 +290,7 @@ def _trl_call(c: Any, fn: Callable[..., Any], named: set[str]) -> Callable[[Rows
             raise ScoreError(c, rows.shard, "", f"the prompts' metadata key(s) {clash} would be given twice to "
                              f"{c.function}: rename them in the data, or leave them out of kwargs")
         ids = rows.response_ids[a:b] if rows.response_ids is not None else [None] * (b - a)
-        return fn(prompts=prompts, completions=completions, completion_ids=list(ids), **columns, **c.kwargs)
+        return contained(prompts=prompts, completions=completions, completion_ids=list(ids), **columns, **c.kwargs)
     return call
 
 
