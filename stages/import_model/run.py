@@ -69,9 +69,8 @@ def _unmarked(loaded: Any, dtype: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     model_config = loaded.config
-    for marker in ("quantization_config",):
-        if hasattr(model_config, marker):
-            delattr(model_config, marker)
+    if hasattr(model_config, "quantization_config"):  # (the marker: the weights are dequantised)
+        delattr(model_config, "quantization_config")
     model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     tied = set(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ())
