@@ -70,16 +70,11 @@ def model_import(
     template in one file) as a Hugging Face checkpoint: use it as `model.base=OUT`. The same as
     `rlpipe stage import_model source=SRC output=OUT`.
     """
-    from rlpipe.schemas.config import ConfigError, parse_config
-    from rlpipe.stages import get_stage
+    from rlpipe.stages import get_stage, stage_config
 
-    stage = get_stage("import_model")
-    try:
-        config = parse_config(stage.config_class(), {"source": source, "output": output, "dtype": dtype},
-                              "rlpipe model import")
-        m = stage.run(config, force=force)
-    except ConfigError as e:
-        raise fail(str(e), 2) from None
+    try:  # (a bad --dtype is a ConfigError: a user error, exit 2, as the stage's own failures)
+        m = get_stage("import_model").run(stage_config("import_model", {"dtype": dtype}, "rlpipe model import",
+                                                       source=source, output=output), force=force)
     except Exception as e:
         raise failed(e, debug) from None
     extra = m.extra

@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlpipe.schemas.atomic import atomic_write_bytes
+from rlpipe.schemas.atomic import write_if_changed
 from rlpipe.schemas.errors import UserError
 
 #: The preset keys that name a model (a checkpoint directory, or a Hub id).
@@ -75,7 +75,7 @@ def write_record(record_file: Path, models: dict[str, HubModel]) -> None:
     """runs/<run>/hub.json: what the run's Hub ids resolved to (nothing when it names none)."""
     if models:
         data = {f"model.{key}": asdict(hub) for key, hub in models.items()}
-        atomic_write_bytes(record_file, (json.dumps(data, indent=2) + "\n").encode())
+        write_if_changed(record_file, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def _resolve(key: str, repo_id: str, revision: str, commit: str | None) -> HubModel:

@@ -70,9 +70,8 @@ class Plan:
             if path is not None and is_data_file(path):
                 kind = "preferences" if field == "preferences" else "prompts"
                 knobs = {k: v for k, v in self.preset.import_data.items() if k not in ONLY_FOR[kind]}
-                assigned = {"source": path, kind: self.layout.data(name)}  # (stage_config has a `source` arg)
-                calls.append(StageCall("import_data", stage_config("import_data", {**knobs, **assigned}, self.source),
-                                       self.setup_dir / name))
+                config = stage_config("import_data", knobs, self.source, source=path, **{kind: self.layout.data(name)})
+                calls.append(StageCall("import_data", config, self.setup_dir / name))
         return calls
 
     def _data(self, field: str) -> Path | None:
@@ -144,9 +143,7 @@ class Plan:
         if trains_rm and p.data.preferences is None:  # before SFT: pairs the prompts cannot give fail in seconds
             calls.append(self.call("preferences", self.setup_dir, prompts=train, output=self.preferences()))
         if p.model.base is not None and _is_gguf(p.model.base):
-            assigned = {"source": p.model.base, "output": self.base_policy()}  # (stage_config has a `source` arg)
-            calls.append(StageCall("import_model", stage_config("import_model", {**p.import_model, **assigned},
-                                                                self.source), self.setup_dir))
+            calls.append(self.call("import_model", self.setup_dir, source=p.model.base, output=self.base_policy()))
         if p.model.base is None:
             from rlpipe.stages.task.arithmetic import tokenizer_texts
 

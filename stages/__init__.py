@@ -89,8 +89,10 @@ def get_stage(name: str) -> Stage:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}") from None
 
 
-def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "preset", **assigned: Any) -> StageConfig:
-    """The config of stage `name`: its knobs (from a preset, say) plus the fields the caller assigns."""
+def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "preset", /,
+                 **assigned: Any) -> StageConfig:
+    """The config of stage `name`: its knobs (from a preset, say) plus the fields the caller assigns
+    (positional-only arguments: a stage's own `name` or `source` field is an assigned one)."""
     from rlpipe.schemas.config import parse_config
 
     cls = get_stage(name).config_class()
