@@ -22,6 +22,9 @@ from conftest import KEEP_EVERYTHING, MINI
 from rlpipe.pipelines.keep import TABLES, Keep, deletions
 from rlpipe.schemas.pruning import PRUNED_NAME
 
+#: The test-only `rlpipe` launcher that holds a chosen call for a kill (tests/reliability).
+PAUSE_DRIVER = Path(__file__).resolve().parents[1] / "reliability" / "pause_driver.py"
+
 #: MINI, 6 iterations evaluated every 2 (iterations 1, 3, 5), each saving its train state, with the
 #: default keep but for a period of 3 (iterations 2 and 5): train states 4 and 5 stay, policies 2,
 #: 5 and the best.
@@ -145,14 +148,18 @@ def test_async_state_every_3_without_tables_prunes_resumes_after_a_kill_and_exte
     # Killed in iteration 5 before its optimize, which continues from train state 2 and replays
     # optimize 3 and 4: their inputs (policy 2, kept for that alone, and tables 3 and 4) must have
     # survived iteration 4's prune, which deleted tables 0-2 and policies 0 and 1.
-    killed = _rlpipe(tmp_path, *argv)
+    # (optimize 5, the process's 6th optimize call, is held by the test-only launcher's pause while
+    # the driver lane finishes and prunes iteration 4: a kill point, not a race between the lanes)
+    hold = tmp_path / "held"
+    env = {"RLPIPE_TEST_PAUSE": "rlpipe.stages.optimize.run:run@6", "RLPIPE_TEST_PAUSE_FILE": str(hold)}
+    killed = subprocess.Popen([sys.executable, str(PAUSE_DRIVER), *argv], cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
-    # (rollout 5's lane runs beside optimize 4: its advantages may exist before iteration 4 is
-    # finished and pruned; the kill waits for both)
-    while not ((run_dir / "iter_0005" / "advantages" / "_manifest.json").is_file()
+    while not (hold.is_file() and (run_dir / "iter_0005" / "advantages" / "_manifest.json").is_file()
                and (run_dir / "iter_0002" / "rollouts" / PRUNED_NAME).is_file()):
         assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0]
-        time.sleep(0.01)
+        time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     before_kill = killed.communicate()[0]
     assert 5 not in _complete(run_dir, "policy"), "killed too late: iteration 5's optimize had finished"
