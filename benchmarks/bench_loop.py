@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -196,12 +197,23 @@ def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int
     """Run the pipeline and the plain loop side by side; the figures (see the module doc)."""
     from rlpipe.pipelines.cli import _quiet_libraries
     from rlpipe.pipelines.preset import load_preset
-    from rlpipe.pipelines.runner import Pipeline
 
     _quiet_libraries()
     total = warmup + iterations + 1  # + the last one, which also runs the final evaluation
     preset = load_preset(preset_name, [f"iterations={total}", "eval_every=0", *overrides])
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="bench_loop_")) / preset.name
+    if run_dir is None:  # a temporary run, removed after its figures (a 1B run writes gigabytes)
+        scratch = Path(tempfile.mkdtemp(prefix="bench_loop_"))
+        try:
+            return _measure(preset, overrides, iterations, warmup, total, scratch / preset.name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return _measure(preset, overrides, iterations, warmup, total, run_dir)
+
+
+def _measure(preset: Any, overrides: list[str], iterations: int, warmup: int, total: int,
+             run_dir: Path) -> dict[str, Any]:
+    from rlpipe.pipelines.runner import Pipeline
+
     pipeline_s: dict[int, float] = {}
     plain_s: dict[int, float] = {}
     plain: list[PlainGRPO] = []
@@ -250,7 +262,6 @@ def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int
     print("plain loop split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in figures["plain_split_s"].items()))
     print(f"bytes written per iteration: {figures['bytes'] / 1e6:.1f} MB, on the critical path "
           f"{figures['critical_bytes'] / 1e6:.1f} MB")
-    print(f"run directory: {run_dir}")
     return figures
 
 
@@ -296,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--iterations", type=int, default=10, help="measured (steady-state) iterations")
     parser.add_argument("--warmup", type=int, default=2, help="iterations run first and left out")
-    parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary directory")
+    parser.add_argument("--run-dir", type=Path, default=None, help="keep the run here (default: a temporary directory, removed afterwards)")
     parser.add_argument("--sizes", nargs="+", default=None,
                         help="base_model sizes (no SFT), each in a child process; default: the preset as it is")
     parser.add_argument("--launchers", nargs="+", default=["local"], choices=list(LAUNCHERS))
