@@ -160,8 +160,8 @@ class Plan:
                                    metrics_output=L.model("reward_metrics"), run=L.name))
         if p.model.critic:
             calls.append(self.call("critic_init", self.setup_dir, policy=self.start_policy(), output=self.critic(0)))
-        calls.append(self.call("evaluate", self.setup_dir, checkpoint=self.start_policy(), prompts=heldout,
-                               output=L.initial_eval(), run=L.name, iteration=0))
+        calls.append(self.evaluate(self.setup_dir, checkpoint=self.start_policy(), prompts=heldout,
+                                   output=L.initial_eval(), run=L.name, iteration=0))
         return calls
 
     def iteration(self, k: int) -> list[StageCall]:
@@ -211,8 +211,8 @@ class Plan:
                                train_state_output=L.stage(k, "train_state")
                                if (k + 1) % n == 0 or k == p.iterations - 1 else None))
         if k == p.iterations - 1 or (p.eval_every and (k + 1) % p.eval_every == 0):
-            calls.append(self.call("evaluate", cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
-                                   output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
+            calls.append(self.evaluate(cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
+                                       output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
         return calls
 
     def default_state_every(self) -> int:
@@ -300,6 +300,19 @@ class Plan:
                             f"which iteration {k - 1} writes (run it first): {e}") from None
         return {"kl": {**kl, "beta": beta}}
 
+    def evaluate(self, config_dir: Path, **assigned: Any) -> StageCall:
+        """An evaluate call that answers the held-out prompts as training samples them: the
+        rollout's knobs in EVALUATE_FOLLOWS and the score's first answer_match mode, where the
+        evaluate section does not set its own."""
+        own = self.preset.fragment("evaluate") or {}
+        rollout = self.preset.fragment("rollout") or {}
+        follows = {k: rollout[k] for k in EVALUATE_FOLLOWS if k in rollout and k not in own}
+        modes = [c.get("mode", "numeric") for c in (self.preset.score or {}).get("components", [])
+                 if c.get("type") == "answer_match"]
+        if modes and "match" not in own:
+            follows["match"] = modes[0]
+        return self.call("evaluate", config_dir, **follows, **assigned)
+
     def _score_components(self) -> dict[str, Any]:
         """The score fragment's components, a `checkpoint: reward_model` made the run's reward model."""
         comps = []
@@ -312,6 +325,10 @@ class Plan:
                 c["checkpoint"] = self.reward_model()
             comps.append(c)
         return {"components": comps} if comps else {}
+
+
+#: The rollout knobs the evaluation follows where the preset's evaluate section is silent.
+EVALUATE_FOLLOWS = ("max_new_tokens", "stop", "environment", "engine", "chat_template", "system_prompt")
 
 
 def _is_gguf(path: Path) -> bool:

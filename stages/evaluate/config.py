@@ -13,7 +13,9 @@ from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 class EvaluateConfig(StageConfig):
     """Greedy-decode every held-out prompt once with the checkpoint (the rollout stage with G=1,
-    temperature 0), score the responses against the reference answers (the score stage's
+    temperature 0; in a pipeline with the rollout's lengths, stop strings, environment, engine,
+    chat template and system prompt, and the score's answer_match mode, unless the evaluate section
+    sets its own), score the responses against the reference answers (the score stage's
     answer_match component) and write a `metrics` artifact: accuracy, mean reward, response length.
     The eval rollouts and scores are kept in `<output>/rollouts` and `<output>/scores`."""
 
@@ -34,6 +36,10 @@ class EvaluateConfig(StageConfig):
     environment: EnvironmentSpec | None = None
     """Evaluate greedy episodes with this environment (as rollout.environment); the answer is the
     last model turn's."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Apply the tokenizer's chat template to every prompt (as rollout.chat_template)."""
+    system_prompt: str | None = None
+    """A system turn put first in every templated prompt (as rollout.system_prompt)."""
     match: Literal["exact", "numeric"] = "exact"
     """answer_match mode: 'exact' (normalised string equality) or 'numeric' (last number)."""
     engine: Literal["transformers", "vllm"] = "transformers"

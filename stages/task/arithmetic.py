@@ -57,12 +57,15 @@ class ArithmeticTask:
         zero_pad: write both operands with leading zeros to the width of the largest operand
             ("07+35="): every digit then sits at a fixed position, which small models learn much
             faster. Answers are never padded.
+        question: the prompt's text as a format string of {a}, {op} and {b} ("What is {a} {op}
+            {b}?"), for a model that reads questions; None: the compact "23+45=".
     """
 
     a_range: tuple[int, int] = (0, 99)
     b_range: tuple[int, int] = (0, 99)
     ops: tuple[Op, ...] = ("+",)
     zero_pad: bool = False
+    question: str | None = None
 
     @property
     def width(self) -> int:
@@ -76,6 +79,17 @@ class ArithmeticTask:
         unknown = [o for o in self.ops if o not in _APPLY]
         if unknown or not self.ops:
             raise ValueError(f"ops must be a non-empty subset of {sorted(_APPLY)}, got {self.ops}")
+        if self.question is not None:
+            check_question(self.question)
+
+
+def check_question(question: str) -> None:
+    """Raises ValueError when `question` is not a format string of {a}, {op} and {b} alone."""
+    try:
+        question.format(a=1, op="+", b=2)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"question {question!r} must be a format string with only {{a}}, {{op}} and {{b}} "
+                         f"in braces (double a literal brace: '{{{{'): {type(e).__name__}: {e}") from None
 
 
 #: The task the SFT warm-start study settled on (measured with the real sft + evaluate stages,
@@ -93,9 +107,13 @@ class Problem:
     b: int
     width: int = 0
     """Operands are zero-padded to this many digits (0: no padding)."""
+    question: str | None = None
+    """The prompt as a question (ArithmeticTask.question); None: the compact form."""
 
     @property
     def prompt(self) -> str:
+        if self.question is not None:
+            return self.question.format(a=self.a, op=self.op, b=self.b)
         return f"{self.a:0{self.width}d}{self.op}{self.b:0{self.width}d}=" if self.width else f"{self.a}{self.op}{self.b}="
 
     @property
@@ -109,7 +127,8 @@ class Problem:
 
     @property
     def prompt_id(self) -> str:
-        return self.prompt.rstrip("=")
+        """'23+45' whatever the prompt's form."""
+        return f"{self.a:0{self.width}d}{self.op}{self.b:0{self.width}d}" if self.width else f"{self.a}{self.op}{self.b}"
 
 
 def all_problems(task: ArithmeticTask) -> list[Problem]:
@@ -117,7 +136,7 @@ def all_problems(task: ArithmeticTask) -> list[Problem]:
     a_values = range(task.a_range[0], task.a_range[1] + 1)
     b_values = range(task.b_range[0], task.b_range[1] + 1)
     return [
-        Problem(a, op, b, task.width)
+        Problem(a, op, b, task.width, task.question)
         for op in task.ops
         for a, b in itertools.product(a_values, b_values)
         if not (op == "-" and a < b)
@@ -159,7 +178,7 @@ def split_problems(task: ArithmeticTask, sizes: Mapping[str, int], seed: int) ->
 def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, task: ArithmeticTask,
                   seed: int, cache_key: str | None = None) -> Manifest:
     """Write `problems` as a `prompts` artifact (prompt_id, prompt, answer, metadata JSON)."""
-    meta = {"task": "arithmetic", "split": split, **asdict(task)}
+    meta = {"task": "arithmetic", "split": split, **_knobs(task)}
     return write_table_artifact(
         path, PROMPTS,
         {
@@ -170,9 +189,18 @@ def write_prompts(path: Path | str, problems: Sequence[Problem], *, split: str, 
             "messages": [None] * len(problems),
         },
         stage="task",
-        config={"task": asdict(task), "split": split, "seed": seed, "rows": len(problems)},
+        config={"task": _knobs(task), "split": split, "seed": seed, "rows": len(problems)},
         cache_key=cache_key,
     )
+
+
+def _knobs(task: ArithmeticTask) -> dict:
+    """The task's knobs as recorded in the artifacts (no question key when there is none: the
+    artifacts of a compact task stay what they were before the knob existed)."""
+    knobs = asdict(task)
+    if knobs["question"] is None:
+        del knobs["question"]
+    return knobs
 
 
 def write_task(out_dir: Path | str, task: ArithmeticTask, *, n_train: int, n_heldout: int, seed: int,

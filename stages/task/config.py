@@ -29,6 +29,11 @@ class TaskConfig(StageConfig):
     """(lowest, highest) second operand, inclusive; (0, 9) makes '+' much easier."""
     ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
     """Operations drawn from."""
+    question: str | None = None
+    """The prompt's text as a format string of {a}, {op} and {b}, for a chat or instruct model, e.g.
+    'What is {a} {op} {b}? Reply with the number only.' (the chat template is the rollout's); the
+    reference answer and the prompt id ('23+45') stay the same. None: the compact '23+45=' the
+    demo's own tokenizer is built for."""
     n_train: int = Field(2000, ge=1)
     """Training prompts."""
     n_heldout: int = Field(200, ge=1)
@@ -61,6 +66,10 @@ class TaskConfig(StageConfig):
                 raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {[lo, hi]}")
         if not self.ops:
             raise ValueError("ops must name at least one operation of '+', '-', '*'")
+        if self.question is not None:
+            from rlpipe.stages.task.arithmetic import check_question
+
+            check_question(self.question)
         if self.sft is not None and self.sft_padded_fraction == 0 and self.sft_tool_fraction == 0:
             raise ValueError("sft is set but sft_padded_fraction and sft_tool_fraction are 0: the copy would "
                              "equal train")
@@ -70,4 +79,4 @@ class TaskConfig(StageConfig):
         """The task's problem space (`rlpipe.stages.task.arithmetic.ArithmeticTask`)."""
         from rlpipe.stages.task.arithmetic import ArithmeticTask
 
-        return ArithmeticTask(a_range=self.a_range, b_range=self.b_range, ops=self.ops)
+        return ArithmeticTask(a_range=self.a_range, b_range=self.b_range, ops=self.ops, question=self.question)

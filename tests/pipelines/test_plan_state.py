@@ -44,3 +44,22 @@ def test_adaptive_kl_beta_comes_from_the_previous_iterations_manifest(tmp_path):
     # a fixed controller ignores it
     fixed = Plan(load_preset("grpo", ["advantage.kl.beta=0.05"]), RunLayout(tmp_path / "run"))
     assert _call(fixed.iteration(1), "advantage").config.kl.beta == 0.05
+
+
+def test_evaluation_answers_as_the_rollout_generates_unless_told_otherwise(tmp_path):
+    """The held-out prompts are answered with the rollout's lengths, stop strings, environment,
+    engine, chat template and system prompt and scored with the score's answer_match mode; what the
+    evaluate section sets wins."""
+    preset = load_preset("demo_tools", ["rollout.system_prompt=Be brief.", "rollout.chat_template=true",
+                                        "iterations=1"])
+    plan = Plan(preset, RunLayout(tmp_path / "run"))
+    first, last = _call(plan.setup(), "evaluate").config, _call(plan.iteration(0), "evaluate").config
+    rollout = _call(plan.iteration(0), "rollout").config
+    for ev in (first, last):
+        assert (ev.max_new_tokens, ev.stop, ev.environment, ev.engine, ev.chat_template, ev.system_prompt, ev.match) \
+            == (40, ("</tool_call>",), rollout.environment, "transformers", True, "Be brief.", "exact")
+    assert rollout.environment.max_turns == 2
+    own = Plan(load_preset("demo_tools", ["evaluate.max_new_tokens=12", "evaluate.match=numeric", "iterations=1"]),
+               RunLayout(tmp_path / "own"))
+    ev = _call(own.setup(), "evaluate").config
+    assert (ev.max_new_tokens, ev.match, ev.stop) == (12, "numeric", ("</tool_call>",))

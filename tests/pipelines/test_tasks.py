@@ -92,3 +92,22 @@ def test_zero_padding_fixes_digit_positions():
     assert (p.prompt, p.answer, p.prompt_id) == ("07+05=", "12", "07+05")
     assert {len(q.prompt) for q in all_problems(task)} == {6}
     assert ArithmeticTask().width == 0 and Problem(7, "+", 5).prompt == "7+5="
+
+
+def test_a_question_form_changes_the_prompt_text_only(tmp_path):
+    """`question` asks the same problems in words (for an instruct model): same ids, answers and
+    split; a compact task's artifacts are what they were before the knob existed."""
+    compact = ArithmeticTask(a_range=(0, 19), b_range=(0, 19))
+    asked = ArithmeticTask(a_range=(0, 19), b_range=(0, 19), question="What is {a} {op} {b}? Reply with the number only.")
+    p = Problem(17, "+", 5, 0, asked.question)
+    assert (p.prompt, p.answer, p.prompt_id) == ("What is 17 + 5? Reply with the number only.", "22", "17+5")
+    a = write_task(tmp_path / "compact", compact, n_train=30, n_heldout=5, seed=0)
+    b = write_task(tmp_path / "asked", asked, n_train=30, n_heldout=5, seed=0)
+    ra, rb = (read_table_artifact(x["train"], PROMPTS).to_pylist() for x in (a, b))
+    assert [r["prompt_id"] for r in ra] == [r["prompt_id"] for r in rb]
+    assert [r["answer"] for r in ra] == [r["answer"] for r in rb]
+    assert rb[0]["prompt"] == asked.question.format(**{k: json.loads(rb[0]["metadata"])[k] for k in ("a", "op", "b")})
+    assert "question" not in json.loads(ra[0]["metadata"]) and "question" not in read_manifest(a["train"]).config["task"]
+    for bad in ("What is {x}?", "What is {a} {op} {b}? {", "{0}"):
+        with pytest.raises(ValueError, match="only {a}, {op} and {b}"):
+            ArithmeticTask(question=bad)
