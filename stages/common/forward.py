@@ -9,15 +9,26 @@ the logits at position P_b + t - 1 (the position that predicts it):
 
 Outputs are left-aligned per response, shape (B, T) with T = max_b T_b, and `mask[b, t] = 1` on
 real response tokens. Right padding needs no position ids (pads come after every real token).
+
+Memory (`response_stats`): the model's forward keeps one position's logits (`logits_to_keep=1`);
+the LM head is applied to the response positions' final hidden states only, `chunk_tokens` tokens
+at a time, each chunk's fp32 logits recomputed in the backward instead of kept (activation
+checkpointing of the head), so the extra memory of log-probs and entropy is about two
+(chunk_tokens, V) fp32 tensors, not four (B, T, V) ones. One chunk of every token is the
+unchunked computation (nothing recomputed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
+
+from rlpipe.stages.common import LOGPROB_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,83 @@ def response_entropy(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1) * batch.mask
 
 
+def output_head(model: Any) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The model's output layer and what its forward does to the layer's output: the logit scale
+    (Cohere: `logit_scale`), the division (Granite: `logits_scaling`) and the final soft-capping
+    (Gemma 2 and 3: `final_logit_softcapping`), in that order, as transformers applies them."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    config = inner.config
+    scale = getattr(config, "logit_scale", None)
+    divide = getattr(config, "logits_scaling", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def finish(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # z -> c tanh(z / c)
+        return logits
+
+    return inner.get_output_embeddings(), finish
+
+
+def final_hidden(model: Any, batch: PackedBatch) -> torch.Tensor:
+    """The final hidden states (B, L, H) the output layer reads, with no full-length logits: the
+    forward computes one position's (`logits_to_keep=1`)."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
+                logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def _chunk_stats(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module,
+                 finish: Callable[[torch.Tensor], torch.Tensor], entropy: bool) -> tuple[torch.Tensor, ...]:
+    """log pi(a) and H of N tokens from their hidden states (N, H): fp32 over the vocabulary.
+
+        logp = z_a - logsumexp(z),   H = -sum_v pi_v log pi_v  (log pi = log_softmax(z))
+
+    (the formulas of `response_logprobs` and `response_entropy`: one chunk gives their numbers)
+    """
+    z = finish(head(hidden).float())  # (N, V)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return (logp,)
+    log_pi = torch.log_softmax(z, dim=-1)
+    return logp, -(log_pi.exp() * log_pi).sum(-1)
+
+
+def response_stats(model: Any, batch: PackedBatch, *, chunk_tokens: int | None = LOGPROB_CHUNK_TOKENS,
+                   entropy: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs, entropies) of the response tokens, each (B, T) fp32, 0 where masked; the
+    entropy None unless asked, with gradient only when `entropy_grad`. `chunk_tokens` None: one
+    chunk of all tokens (nothing recomputed in the backward)."""
+    hidden = final_hidden(model, batch)
+    B, T = batch.mask.shape
+    where = (batch.mask.reshape(-1) > 0).nonzero().squeeze(-1)  # the tokens a log-prob is taken of
+    index = batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    picked = hidden.gather(1, index).reshape(B * T, -1)[where]  # (N, H)
+    ids = batch.response_ids.reshape(-1)[where]
+    head, finish = output_head(model)
+    size = len(ids) if chunk_tokens is None else chunk_tokens
+    recompute = size < len(ids) and torch.is_grad_enabled() and picked.requires_grad
+    parts = []
+    for start in range(0, len(ids), max(size, 1)):
+        args = (picked[start:start + size], ids[start:start + size], head, finish, entropy)
+        parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False)
+                     if recompute else _chunk_stats(*args))
+    out = []
+    for i in range(2 if entropy else 1):
+        flat = torch.cat([p[i] for p in parts]) if parts else picked.new_zeros(0, dtype=torch.float32)
+        full = torch.zeros(B * T, dtype=torch.float32, device=picked.device).index_put((where,), flat)
+        out.append(full.reshape(B, T) * batch.mask)
+    logp, ent = out[0], (out[1] if entropy else None)
+    if ent is not None and not entropy_grad:
+        ent = ent.detach()
+    return logp, ent
+
+
 def unpad(x: torch.Tensor, batch: PackedBatch) -> list[np.ndarray]:
     """Split a (B, T) tensor into per-sequence float32 arrays of length T_b."""
     x = x.detach().float().cpu().numpy()
@@ -108,12 +196,11 @@ def unpad(x: torch.Tensor, batch: PackedBatch) -> list[np.ndarray]:
 
 @torch.no_grad()
 def teacher_forced_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                            pad_id: int, batch_size: int = 32) -> list[np.ndarray]:
+                            pad_id: int, batch_size: int = 32, chunk_tokens: int | None = LOGPROB_CHUNK_TOKENS) -> list[np.ndarray]:
     """Per-token log-probs of each response under `model` (no grad), in input order."""
     device = next(model.parameters()).device
     out: list[np.ndarray] = []
     for i in range(0, len(prompts), batch_size):
         batch = pack(prompts[i : i + batch_size], responses[i : i + batch_size], pad_id).to(device)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        out.extend(unpad(response_logprobs(logits, batch), batch))
+        out.extend(unpad(response_stats(model, batch, chunk_tokens=chunk_tokens, entropy=False)[0], batch))
     return out

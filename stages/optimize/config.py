@@ -17,6 +17,7 @@ from rlpipe.schemas.config import (
     name_shorthand,
 )
 from rlpipe.stages.advantage.config import KLEstimator
+from rlpipe.stages.common import LOGPROB_CHUNK_TOKENS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +235,13 @@ class OptimizeConfig(StageConfig):
     """Rows per optimizer step over all ranks; None: the whole batch (one step per epoch)."""
     micro_batch_size: int = Field(8, ge=1)
     """Rows per forward/backward pass on one rank (gradient accumulation fills the minibatch)."""
+    logprob_chunk_tokens: int | None = Field(LOGPROB_CHUNK_TOKENS, ge=1)
+    """Response tokens whose vocabulary-sized logits exist at once (log-probs and entropy): the LM
+    head is applied to the response positions only, this many at a time, in fp32, and each chunk
+    is recomputed in the backward instead of kept. Extra memory about 3 x chunk x V x 4 bytes
+    (0.6 GB per 1,024 tokens at V = 151,936) instead of 4 x rows x response length x V x 4 bytes.
+    None: one chunk of every token (nothing recomputed). Any size gives the same log-probs and
+    entropies up to the rounding of the head's matmul over other rows (tests/stages/common)."""
     shuffle: bool = True
     """Shuffle rows (seeded) before cutting each epoch into minibatches."""
     kl_target: float | None = Field(None, gt=0.0)

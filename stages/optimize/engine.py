@@ -15,12 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlpipe.stages.common.deepspeed import make_engine as common_make_engine
-from rlpipe.stages.common.forward import (
-    PackedBatch,
-    gather_positions,
-    response_entropy,
-    response_logprobs,
-)
+from rlpipe.stages.common.forward import PackedBatch, gather_positions, response_stats
 
 
 def device() -> torch.device:
@@ -67,14 +62,16 @@ def forward_logits(engine: Any, batch: PackedBatch) -> torch.Tensor:
     return engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
 
-def policy_forward(engine: Any, batch: PackedBatch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp, entropy), both (B, T); entropy carries gradient only when `entropy_grad`."""
-    logits = forward_logits(engine, batch)
-    logp = response_logprobs(logits, batch)
-    if entropy_grad:
-        return logp, response_entropy(logits, batch)
-    with torch.no_grad():
-        return logp, response_entropy(logits.detach(), batch)
+def policy_forward(engine: Any, batch: PackedBatch, *, entropy_grad: bool,
+                   chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy), both (B, T); entropy carries gradient only when `entropy_grad`; the logits
+    `chunk_tokens` response tokens at a time (`forward.response_stats`)."""
+    return response_stats(engine, batch, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
+
+
+def policy_logprobs(engine: Any, batch: PackedBatch, *, chunk_tokens: int | None) -> torch.Tensor:
+    """logp (B, T), no entropy (nothing reads it: the old log-probs' pass)."""
+    return response_stats(engine, batch, chunk_tokens=chunk_tokens, entropy=False)[0]
 
 
 def critic_values(engine: Any, batch: PackedBatch) -> torch.Tensor:

@@ -103,7 +103,8 @@ def train(E: Any, config: OptimizeConfig, work: Work, engines: Engines, pad_id: 
 
         # The reference of a LoRA run is its base: the same model with the adapters off (no copy).
         with adapters_disabled(pol):
-            ref = _recompute_old_logprobs(E, pol, batch, work.schedules[0], pad_id, world_size)
+            ref = _recompute_old_logprobs(E, pol, batch, work.schedules[0], pad_id, world_size,
+                                          config.logprob_chunk_tokens)
         batch.ref_logp = [ref[i] for i in range(len(batch))]
     # The stage's torch RNG is the train state's (seeded on a fresh start), forked so that the
     # stages around it in one process see the global RNG as if optimize had not run.
@@ -131,7 +132,8 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
         old_logp = dict(enumerate(batch.rollout_logp))
     else:
         first = 1 if config.old_logprobs_forward == "training" else 0
-        old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0][first:], pad_id, world_size)
+        old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0][first:], pad_id, world_size,
+                                           config.logprob_chunk_tokens)
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
     obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
@@ -163,13 +165,13 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
 
 
 def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_id: int,
-                            world_size: int) -> dict[int, np.ndarray]:
+                            world_size: int, chunk_tokens: int | None) -> dict[int, np.ndarray]:
     local: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for micro_batches in steps:
             for rows in micro_batches:
                 packed = _pack(E, batch, rows, pad_id)
-                logp = E.policy_forward(engine, packed, entropy_grad=False)[0].float().cpu().numpy()
+                logp = E.policy_logprobs(engine, packed, chunk_tokens=chunk_tokens).cpu().numpy()
                 for b, i in enumerate(rows):
                     local[int(i)] = logp[b, : len(batch.response_ids[i])].copy()
     return E.gather_rows(local, world_size)
@@ -205,7 +207,8 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
         packed = _pack(E, batch, rows, pad_id)
         T = packed.mask.shape[1]
         # TRPO differentiates the bare module (the engine's forward hooks expect engine.backward)
-        logp, entropy = E.policy_forward(pol if trpo is None else pol.module, packed, entropy_grad=obj.entropy_coef > 0)
+        logp, entropy = E.policy_forward(pol if trpo is None else pol.module, packed, entropy_grad=obj.entropy_coef > 0,
+                                         chunk_tokens=config.logprob_chunk_tokens)
         if rows[0] in old_logp:
             old = pad_rows(old_logp, rows, T).to(dev)
         else:  # first step, before any update: the old log-probs are this forward's (detached)
