@@ -13,8 +13,9 @@ real response tokens. Right padding needs no position ids (pads come after every
 Memory (`response_stats`): the model's forward keeps one position's logits (`logits_to_keep=1`);
 the LM head is applied to the response positions' final hidden states only, `chunk_tokens` tokens
 at a time, each chunk's fp32 logits recomputed in the backward instead of kept (activation
-checkpointing of the head), so the extra memory of log-probs and entropy is about two
-(chunk_tokens, V) fp32 tensors, not four (B, T, V) ones. One chunk of every token is the
+checkpointing of the head), so the extra memory of log-probs and entropy is at most about five
+(chunk_tokens, V) fp32 tensors (a chunk's backward), not the logits and four (B, T, V) fp32 copies
+(benchmarks/bench_memory.py: 7.3x lower at 2 x 1,024 tokens and V = 151,936). One chunk of every token is the
 unchunked computation (nothing recomputed).
 """
 
@@ -142,20 +143,27 @@ def final_hidden(model: Any, batch: PackedBatch) -> torch.Tensor:
 
 
 def _chunk_stats(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module,
-                 finish: Callable[[torch.Tensor], torch.Tensor], entropy: bool) -> tuple[torch.Tensor, ...]:
+                 finish: Callable[[torch.Tensor], torch.Tensor], entropy: bool,
+                 entropy_grad: bool) -> tuple[torch.Tensor, ...]:
     """log pi(a) and H of N tokens from their hidden states (N, H): fp32 over the vocabulary.
 
-        logp = z_a - logsumexp(z),   H = -sum_v pi_v log pi_v  (log pi = log_softmax(z))
+        logp = z_a - logsumexp(z),   H = -sum_v pi_v log pi_v,   log pi = z - logsumexp(z)
 
-    (the formulas of `response_logprobs` and `response_entropy`: one chunk gives their numbers)
+    At most three (N, V) fp32 tensors at once: the logits, log pi and pi log pi (the last two in
+    place and without a graph when the entropy is a metric only).
     """
     z = finish(head(hidden).float())  # (N, V)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
         return (logp,)
-    log_pi = torch.log_softmax(z, dim=-1)
-    return logp, -(log_pi.exp() * log_pi).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        log_pi = z - lse.unsqueeze(-1)
+        if log_pi.requires_grad:
+            return logp, -(log_pi.exp() * log_pi).sum(-1)
+        terms = log_pi.exp().mul_(log_pi)
+        del log_pi
+        return logp, -terms.sum(-1)
 
 
 def response_stats(model: Any, batch: PackedBatch, *, chunk_tokens: int | None = LOGPROB_CHUNK_TOKENS,
@@ -170,11 +178,14 @@ def response_stats(model: Any, batch: PackedBatch, *, chunk_tokens: int | None =
     picked = hidden.gather(1, index).reshape(B * T, -1)[where]  # (N, H)
     ids = batch.response_ids.reshape(-1)[where]
     head, finish = output_head(model)
-    size = len(ids) if chunk_tokens is None else chunk_tokens
-    recompute = size < len(ids) and torch.is_grad_enabled() and picked.requires_grad
+    size = max(len(ids) if chunk_tokens is None else chunk_tokens, 1)
+    chunks = max(1, -(-len(ids) // size))
+    if _partitioned(head):  # ZeRO-3: each call of the head gathers its weight with every rank's
+        chunks = _most_over_ranks(chunks, picked.device)  # so all make as many (some empty)
+    recompute = chunks > 1 and torch.is_grad_enabled() and picked.requires_grad
     parts = []
-    for start in range(0, len(ids), max(size, 1)):
-        args = (picked[start:start + size], ids[start:start + size], head, finish, entropy)
+    for start in range(0, chunks * size, size):
+        args = (picked[start:start + size], ids[start:start + size], head, finish, entropy, entropy_grad)
         parts.append(torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False)
                      if recompute else _chunk_stats(*args))
     out = []
@@ -182,10 +193,22 @@ def response_stats(model: Any, batch: PackedBatch, *, chunk_tokens: int | None =
         flat = torch.cat([p[i] for p in parts]) if parts else picked.new_zeros(0, dtype=torch.float32)
         full = torch.zeros(B * T, dtype=torch.float32, device=picked.device).index_put((where,), flat)
         out.append(full.reshape(B, T) * batch.mask)
-    logp, ent = out[0], (out[1] if entropy else None)
-    if ent is not None and not entropy_grad:
-        ent = ent.detach()
-    return logp, ent
+    return out[0], (out[1] if entropy else None)
+
+
+def _partitioned(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitions the module's parameters over ranks (DeepSpeed marks them)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _most_over_ranks(n: int, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return n
+    most = torch.tensor([n], dtype=torch.long, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
 
 
 def unpad(x: torch.Tensor, batch: PackedBatch) -> list[np.ndarray]:

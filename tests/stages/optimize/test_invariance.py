@@ -3,7 +3,11 @@
 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches (torchrun, 2 CPU processes, gloo) ==
 1 rank x 1 micro-batch of the same global batch, for ZeRO 0, 2 and 3: parameters within 1e-5 and
 the same global gradient norm, loss and KL (the gradient norm catches a wrong loss scale, which
-Adam's first update would hide).
+Adam's first update would hide). Every run takes its log-probs 3 tokens of logits at a time
+(`logprob_chunk_tokens`: several chunks per micro-batch, each recomputed in the backward, under
+every ZeRO stage; ZeRO-3's ranks, whose token counts differ, make as many head calls). Chunked
+against unchunked values and gradients: tests/stages/common/test_chunked_logprobs.py (Adam's
+normalised first steps would amplify their last-bit differences here, on near-zero gradients).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, 
     """(episodes: 3 environment tokens in every response, masked out of every loss and count)"""
     artifacts = build(tmp_path, tiny_tokenizer, environment=environment)
     # two optimizer steps of 8 rows each (minibatch 8 of 16 rows), grad clipping active
-    common = dict(lr=1e-3, minibatch_size=8, epochs=1, grad_clip=1.0)
+    common = dict(lr=1e-3, minibatch_size=8, epochs=1, grad_clip=1.0, logprob_chunk_tokens=3)
     configs = {}
     for z in STAGES:
         configs[(z, "1x4")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_1x4", zero_stage=z, micro_batch_size=2, **common)
