@@ -307,7 +307,10 @@ class Plan:
         own = self.preset.fragment("evaluate") or {}
         rollout = self.preset.fragment("rollout") or {}
         follows = {k: rollout[k] for k in EVALUATE_FOLLOWS if k in rollout and k not in own}
-        modes = [c.get("mode", "numeric") for c in (self.preset.score or {}).get("components", [])
+        from rlpipe.stages.score.config import AnswerMatchComponent
+
+        default = AnswerMatchComponent.model_fields["mode"].default
+        modes = [c.get("mode", default) for c in (self.preset.score or {}).get("components", [])
                  if c.get("type") == "answer_match"]
         if modes and "match" not in own:
             follows["match"] = modes[0]

@@ -47,7 +47,7 @@ class ChatTurns:
     token gets the rest of the closing (the new line), a turn cut by max_new_tokens or ended by a
     stop string gets all of it, as ids of the template's special tokens (never plain text that
     reads the same). What is inserted is masked 0: the model is trained on the end-of-turn it
-    samples, not on one the environment wrote for it (docs/design.md#multi-turn-episodes).
+    samples, not on one the environment wrote for it (docs/design.md#multi-turn).
     """
 
     #: The assistant content of the conversation the closing and the replies are rendered after:
