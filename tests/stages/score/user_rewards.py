@@ -64,3 +64,9 @@ def trl_sees(prompts, completions, **kwargs):
     """What it was given, as a number: 1 for messages, 0 for text."""
     return [float(isinstance(p, list) and isinstance(c, list) and c[0]["role"] == "assistant"
                   and p[0]["role"] == "user") for p, c in zip(prompts, completions, strict=True)]
+
+
+def trl_operand_bonus(completions, completion_ids, a, **kwargs):
+    """A metadata key of the arithmetic task (its first operand `a`) as its own keyword, and the
+    completion's token ids: values that differ from row to row."""
+    return [0.1 * x + 0.01 * len(ids) for x, ids in zip(a, completion_ids, strict=True)]
