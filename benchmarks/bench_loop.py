@@ -268,14 +268,13 @@ def _measure(preset: Any, overrides: list[str], iterations: int, warmup: int, to
 def _split(records: list, pipeline_s: dict[int, float], run_dir: Path, measured: range) -> dict[str, dict[int, float]]:
     """Per iteration: the stages' seconds but optimize's set-up and save, those, and the driver's."""
     from rlpipe.pipelines.layout import RunLayout
-    from rlpipe.schemas import read_manifest
 
     layout = RunLayout(run_dir)
     out: dict[str, dict[int, float]] = {"stages": {}, "optimize_other": {}, "driver": {}}
     for r in records:
         if r.iteration not in measured:
             continue
-        timing = read_manifest(layout.stage(r.iteration, "policy")).extra.get("timing", {})
+        timing = _manifest(layout.stage(r.iteration, "policy")).extra.get("timing", {})
         optimize_compute = timing.get("loop_s", 0.0) + timing.get("old_logprobs_s", 0.0)
         stages = {k: v for k, v in r.seconds.items() if k != "total"}
         other = {k: v for k, v in stages.items() if k != "optimize"}
@@ -285,14 +284,26 @@ def _split(records: list, pipeline_s: dict[int, float], run_dir: Path, measured:
     return out
 
 
-def _bytes_written(run_dir: Path, k: int) -> tuple[int, int]:
-    """(bytes iteration k's artifacts hold, of those written on the critical path)."""
-    from rlpipe.pipelines.layout import RunLayout
+def _manifest(path: Path) -> Any:
+    """An artifact's manifest, or the one its record keeps where the run's keep rule pruned it."""
     from rlpipe.schemas import read_manifest
+    from rlpipe.schemas.pruning import pruned
+
+    record = pruned(path)
+    return record.manifest if record is not None else read_manifest(path)
+
+
+def _bytes_written(run_dir: Path, k: int) -> tuple[int, int]:
+    """(bytes iteration k's artifacts held when written, of those written on the critical path;
+    artifacts the keep rule pruned since count by their record)."""
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.schemas.pruning import PRUNED_NAME
 
     total = critical = 0
-    for manifest_file in sorted(RunLayout(run_dir).stage(k, "policy").parent.rglob("_manifest.json")):
-        manifest = read_manifest(manifest_file.parent)
+    folder = RunLayout(run_dir).stage(k, "policy").parent
+    written = sorted({f.parent for name in ("_manifest.json", PRUNED_NAME) for f in folder.rglob(name)})
+    for artifact in written:
+        manifest = _manifest(artifact)
         size = sum(f.bytes for f in manifest.files)
         total += size
         if manifest.extra.get("written") != "background":

@@ -245,6 +245,11 @@ class OptimizeConfig(StageConfig):
     entropies up to the rounding of the head's matmul over other rows (tests/stages/common)."""
     shuffle: bool = True
     """Shuffle rows (seeded) before cutting each epoch into minibatches."""
+    group_by_length: bool = True
+    """Within each rank's share of a step, order the rows by length before cutting them into
+    micro-batches (as TRL's `group_by_length`), so each micro-batch pads to a length near its rows'
+    own: the same rows per step and rank, the same gradient up to summation order, less padding.
+    False: micro-batches in the shuffled order."""
     kl_target: float | None = Field(None, gt=0.0)
     """Early stop: stop optimising once a step's approx KL to the old policy exceeds this."""
     recompute_old_logprobs: bool = True

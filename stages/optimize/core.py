@@ -148,12 +148,15 @@ def epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.
 
 
 def step_slices(order: np.ndarray, minibatch_size: int, world_size: int, rank: int,
-                micro_batch_size: int) -> list[list[np.ndarray]]:
+                micro_batch_size: int, lengths: np.ndarray | None = None) -> list[list[np.ndarray]]:
     """This rank's micro-batches (row indices) for each optimizer step of one epoch.
 
     Minibatch k is order[k*M : (k+1)*M]; rank r takes the contiguous block r of M / W rows and cuts
     it into micro-batches of `micro_batch_size` rows. The partition depends only on (order, M, W),
-    so every rank computes the same schedule without communication.
+    so every rank computes the same schedule without communication. With `lengths` (each row's
+    padded length), a block's rows are ordered by length before the cut (stable), so the rows a
+    micro-batch pads to one length are of similar lengths: the same rows in each step and rank,
+    the same step gradient (the loss is split-invariant), less padding.
 
     Returns:
         steps[k][j]: the row indices of micro-batch j of step k on this rank.
@@ -169,6 +172,8 @@ def step_slices(order: np.ndarray, minibatch_size: int, world_size: int, rank: i
     steps = []
     for start in range(0, n, minibatch_size):
         block = order[start + rank * per_rank: start + (rank + 1) * per_rank]
+        if lengths is not None:
+            block = block[np.argsort(lengths[block], kind="stable")]
         steps.append([block[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
     return steps
 

@@ -78,9 +78,11 @@ def prepare(config: OptimizeConfig, d: Any) -> Work:
     # A micro-batch bounds memory: one larger than a rank's share of a step is that share (a small
     # iteration, 2 prompts x 2 samples, under the default of 8).
     micro = min(config.micro_batch_size, max(minibatch // d.world_size, 1))
+    lengths = (np.array([len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)])
+               if config.group_by_length else None)
     try:
         schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
-                                 micro) for e in range(config.epochs)]
+                                 micro, lengths) for e in range(config.epochs)]
     except ValueError as e:
         raise UserError(f"optimize cannot cut the iteration's rows into steps: {e}; set optimize.minibatch_size "
                         "and optimize.micro_batch_size to divide them (prompts_per_iteration x rollout.group_size "

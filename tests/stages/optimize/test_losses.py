@@ -303,3 +303,23 @@ def test_step_slices_partition_each_minibatch_across_ranks():
         assert not set(np.concatenate(r0[k])) & set(np.concatenate(r1[k]))
     with pytest.raises(ValueError, match="minibatch_size"):
         step_slices(order, 8, 3, 0, 1)
+
+
+def test_grouping_by_length_keeps_each_steps_rows_and_cuts_padding():
+    """Ordered by length inside a rank's block: the same rows per step and rank, and a padded
+    micro-batch no longer than the shuffled cut's (here: 4 rows of 3..60 tokens per micro-batch)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 60, size=32)
+    order = rng.permutation(32)
+    for world, rank in ((1, 0), (2, 0), (2, 1)):
+        plain = step_slices(order, 16, world, rank, 4)
+        grouped = step_slices(order, 16, world, rank, 4, lengths)
+        for p, g in zip(plain, grouped, strict=True):
+            assert sorted(np.concatenate(p)) == sorted(np.concatenate(g))  # the step's rows on this rank
+            flat = np.concatenate(g)
+            assert list(lengths[flat]) == sorted(lengths[flat])
+        padded = {name: sum(len(m) * int(lengths[m].max()) for step in s for m in step)
+                  for name, s in (("plain", plain), ("grouped", grouped))}
+        assert padded["grouped"] < padded["plain"], padded
