@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 
+from rlpipe.pipelines import builtin_presets
 from rlpipe.pipelines.cli_imports import data_app, model_app
 from rlpipe.pipelines.cli_output import console as _console
 from rlpipe.pipelines.cli_output import fail as _fail
@@ -155,14 +156,10 @@ def stage(
     raise typer.Exit(stage_main(name, list(ctx.args)))
 
 
-#: The built-in presets (their files' names, read without importing the preset module).
-_PRESETS = sorted(p.stem for p in (Path(__file__).parent / "presets").glob("*.yaml"))
-
-
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    preset: Annotated[str, typer.Argument(help=f"Built-in preset name ({', '.join(_PRESETS)}) or a YAML file.")] = "demo",
+    preset: Annotated[str, typer.Argument(help=f"Built-in preset name ({', '.join(builtin_presets())}) or a YAML file.")] = "demo",
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<preset name>).")] = None,
     local: Annotated[bool, typer.Option("--local", help="Run the plain-Python pipeline, without Prefect.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a user error.")] = False,

@@ -51,11 +51,12 @@ def find_tokenizer(artifact: Path, manifest: Manifest) -> Path | None:
     return None
 
 
-def load_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
+def _tokenizer(folder: Path) -> Any:
+    """The checkpoint's tokenizer as every stage loads it (`tiny.load_tokenizer`)."""
+    from rlpipe.stages.common.tiny import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return load_tokenizer(folder)
     except (OSError, ValueError) as e:
         raise UserError(f"{folder}: no tokenizer could be read from it ({type(e).__name__}: {e}); "
                         "pass --tokenizer with a checkpoint folder of the same model") from None
@@ -81,7 +82,7 @@ def show_decoded(path: Path, m: Manifest, rows: list[dict[str, Any]], console: C
     t.add_column("column", style="bold", no_wrap=True)
     for i in range(len(rows)):
         t.add_column(f"row {i}", overflow="fold")
-    decoded = decoded_rows(rows, load_tokenizer(folder))
+    decoded = decoded_rows(rows, _tokenizer(folder))
     for shown in decoded[0] if decoded else ():
         t.add_row(shown, *(escape(printable(d[shown])) for d in decoded))
     console.print(t)

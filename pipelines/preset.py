@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlpipe.pipelines import PRESETS_DIR, builtin_presets
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset_spec import Preset
 from rlpipe.schemas.config import ConfigError, apply_overrides, load_yaml, parse_config
-
-PRESETS_DIR = Path(__file__).parent / "presets"
 
 
 def load_preset(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Preset:
@@ -47,5 +46,3 @@ def check_preference_source(preset: Preset, source: str) -> None:
         )
 
 
-def builtin_presets() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
