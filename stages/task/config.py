@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlpipe.schemas.config import Output, StageConfig
 
@@ -59,6 +59,15 @@ class TaskConfig(StageConfig):
     seed: int = Field(0, ge=0)
     """Seeds the split and the SFT copy's draws (padding, tool traces)."""
 
+    @field_validator("question")
+    @classmethod
+    def _check_question(cls, question: str | None) -> str | None:
+        if question is not None:
+            from rlpipe.stages.task.arithmetic import check_question
+
+            check_question(question)
+        return question
+
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
         for name, (lo, hi) in (("a_range", self.a_range), ("b_range", self.b_range)):
@@ -66,10 +75,6 @@ class TaskConfig(StageConfig):
                 raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {[lo, hi]}")
         if not self.ops:
             raise ValueError("ops must name at least one operation of '+', '-', '*'")
-        if self.question is not None:
-            from rlpipe.stages.task.arithmetic import check_question
-
-            check_question(self.question)
         if self.sft is not None and self.sft_padded_fraction == 0 and self.sft_tool_fraction == 0:
             raise ValueError("sft is set but sft_padded_fraction and sft_tool_fraction are 0: the copy would "
                              "equal train")
