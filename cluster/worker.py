@@ -138,9 +138,8 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
                 group.answer(seq, member, {"exit_code": code, "pid": os.getpid(), "seconds": 0.0})
                 return code
             started = time.perf_counter()
-            code = (make_room(stage, order, member) if order.get("make_room")
-                    else run_order(stage, order, member, members))
-            writing = _still_writing(stage, order) if code == 0 and not order.get("make_room") else {}
+            code, writing = ((make_room(stage, order, member), {}) if order.get("make_room")
+                             else run_order(stage, order, member, members))
             group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
                                        "seconds": round(time.perf_counter() - started, 3),
                                        **({"writing": writing} if writing else {})})
@@ -169,51 +168,54 @@ def _next_order(group: GroupDir, seq: int, bell: Doorbell) -> dict[str, Any]:
     return order
 
 
-def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> int:
-    """Run the stage on the order's saved config, as its command line would; returns the exit code.
-    A sending stage's order names the receiving group (`weight_channel`): rank 0 sends the new
-    policy to it; a receiving member first takes the checkpoints that came over the channel."""
+def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> tuple[int, dict[str, str]]:
+    """Run the stage on the order's saved config, as its command line would; returns the exit code
+    and the outputs it is still writing in the background (`_still_writing`). A sending stage's
+    order names the receiving group (`weight_channel`): rank 0 sends the new policy to it; a
+    receiving member first takes the checkpoints that came over the channel."""
     from rlpipe.stages.common.channel_end import CHANNEL
-    from rlpipe.stages.common.cli import stage_main
+    from rlpipe.stages.common.cli import run_stage, stage_main
 
     to = order.get("weight_channel")  # {"folder": runs/<run>/workers, "group": its name, "members": N}
     CHANNEL.order_sends_to(Path(to["folder"]) if to else None, (to["members"], to["group"]) if to else None, member)
-    argv = ["-c", order["config_file"], *(["--force"] if order.get("force") else [])]
-    if get_stage(stage).scaling == "shards" and members > 1:
-        argv += [f"worker_index={member}", f"worker_count={members}"]
+    overrides = ([f"worker_index={member}", f"worker_count={members}"]
+                 if get_stage(stage).scaling == "shards" and members > 1 else [])
+    force = bool(order.get("force"))
     with _output_to(Path(order["logs"][str(member)])):
-        print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()}: {' '.join(argv)}", flush=True)
+        print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()}: -c {order['config_file']} "
+              f"{' '.join(overrides)}{' --force' if force else ''}", flush=True)
         try:
+            config = _config(stage, order["config_file"], overrides)
+            if config is None:  # (its command line reports why, exit code 2)
+                return stage_main(stage, ["-c", order["config_file"], *overrides]), {}
             if CHANNEL.receiver is not None:
-                CHANNEL.take(_checkpoint_inputs(stage, order))
-            return stage_main(stage, argv)
-        except SystemExit as e:  # the stage's SIGINT / SIGTERM exit (130 / 143), or argparse's
-            return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+                CHANNEL.take(_checkpoint_inputs(config))
+            code = run_stage(stage, config, force=force)
+            return code, _still_writing(stage, config) if code == 0 else {}
+        except SystemExit as e:  # the stage's SIGINT / SIGTERM exit (130 / 143)
+            return (0 if e.code is None else e.code if isinstance(e.code, int) else 1), {}
         except BaseException:  # a bug: the traceback goes to the order's log, as a launched stage's would
             traceback.print_exc()
-            return 1
+            return 1, {}
 
 
-def _config(stage: str, order: dict[str, Any]) -> Any:
-    """The order's saved config, parsed."""
+def _config(stage: str, config_file: str, overrides: list[str]) -> Any:
+    """The order's saved config, parsed once for the whole order (None: it does not parse)."""
     from rlpipe.schemas.config import load_config
-
-    return load_config(get_stage(stage).config_class(), order["config_file"])
-
-
-def _checkpoint_inputs(stage: str, order: dict[str, Any]) -> list[Path]:
-    """The checkpoints the order's stage reads (the policy a rollout samples from); none for a
-    config that does not parse (the stage then reports it, exit code 2, as its command line would)."""
     from rlpipe.schemas.errors import UserError
 
     try:
-        config = _config(stage, order)
+        return load_config(get_stage(stage).config_class(), config_file, overrides)
     except (UserError, OSError):
-        return []
+        return None
+
+
+def _checkpoint_inputs(config: Any) -> list[Path]:
+    """The checkpoints the order's stage reads (the policy a rollout samples from)."""
     return [Path(p) for name, p in config.inputs().items() if config.input_kind(name) == "checkpoint"]
 
 
-def _still_writing(stage: str, order: dict[str, Any]) -> dict[str, str]:
+def _still_writing(stage: str, config: Any) -> dict[str, str]:
     """The order's outputs this process is still writing in the background whose manifest is
     decided (path -> manifest JSON): the policy sent over the weight channel. The driver knows
     them by these manifests until their files are complete (schemas/pending.py)."""
@@ -221,7 +223,6 @@ def _still_writing(stage: str, order: dict[str, Any]) -> dict[str, str]:
 
     if get_stage(stage).weights != "send":
         return {}
-    config = _config(stage, order)
     decided = {str(p): pending_manifest(p) for p in config.outputs().values()}
     return {p: m.model_dump_json() for p, m in decided.items() if m is not None}
 

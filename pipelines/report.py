@@ -22,6 +22,7 @@ Prefect artifacts all show these numbers, under these names (their labels: `disp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,17 +61,20 @@ def step_metrics(metrics_dir: Path | str) -> dict[str, float]:
     """Every metric of an optimize `metrics` artifact, one value each: the mean over optimizer
     steps (step >= 1) of a per-step metric, the value of a once-per-stage one (step 0); without
     the rollout-policy metrics when they are 0 by construction (see the module doc)."""
-    import pyarrow.compute as pc
-
-    # (Arrow compute, not Polars: this runs after every iteration on the driver's critical path,
-    # and a Polars frame costs a millisecond to build per table)
+    # (plain Python over the columns, not Arrow compute or Polars: this runs after every
+    # iteration on the driver's critical path over a table of a row per step and metric; here
+    # 0.15 ms against Arrow's filters and group-by 0.7 ms, a Polars frame ~1 ms to build)
     m = read_table_artifact(metrics_dir, columns=["step", "name", "value"])
-    once = m.filter(pc.equal(m["step"], 0))
-    out = {n: float(v) for n, v in zip(once["name"].to_pylist(), once["value"].to_pylist(), strict=True)}
-    per_step = m.filter(pc.greater(m["step"], 0))
-    means = per_step.group_by("name", use_threads=False).aggregate([("value", "mean")])
-    out.update({n: float(v) for n, v in zip(means["name"].to_pylist(), means["value_mean"].to_pylist(), strict=True)})
-    steps = out.get("steps", float(pc.count_distinct(per_step["step"]).as_py()))
+    out: dict[str, float] = {}
+    sums: dict[str, list[float]] = {}
+    step_numbers = m["step"].to_pylist()
+    for step, name, value in zip(step_numbers, m["name"].to_pylist(), m["value"].to_pylist(), strict=True):
+        if step == 0:
+            out[name] = float(value)
+        else:
+            sums.setdefault(name, []).append(value)
+    out.update({name: math.fsum(values) / len(values) for name, values in sums.items()})
+    steps = out.get("steps", float(len({s for s in step_numbers if s > 0})))
     out["optimizer_steps"] = steps
     config = read_manifest(metrics_dir).config or {}
     if steps == 1 and config.get("recompute_old_logprobs", False):

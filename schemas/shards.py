@@ -150,6 +150,12 @@ def missing_nullable(actual_names: Sequence[str], expected: ArtifactSchema) -> l
     return [c for c in expected.columns if c.nullable and c.name not in actual_names]
 
 
+#: A listed shard up to this size is decoded whole and kept (`TABLES`) even when a read asks for
+#: some of its columns: its decode costs about as much either way (the footer and each column's
+#: set-up), and the stages and the driver's summary read different columns of the same shards.
+DECODE_WHOLE_BYTES = 8 << 20
+
+
 def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence[str] | None = None,
                info: FileInfo | None = None) -> pa.Table:
     """Read one shard, verified and validated: its bytes against the hash (and rows) its
@@ -164,7 +170,7 @@ def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence
     names = list(columns) if columns is not None else None
     with open_verified(path, info) as source:
         written = TABLES.get(info.tagged_digest) if info is not None else None
-        if written is not None:  # (verified bytes this process encoded from this table: table_memory.py)
+        if written is not None:  # (verified bytes this process encoded or decoded before: table_memory.py)
             actual = check_schema(path, written.schema, expected)
             present = _present(names, actual)
             table = written if present is None else written.select(present)
@@ -174,7 +180,14 @@ def read_shard(path: Path | str, schema: ArtifactSchema | str, columns: Sequence
             except (pa.ArrowInvalid, OSError) as e:
                 raise SchemaMismatch(path, expected.name, [f"not a readable Parquet file ({e})"]) from None
             actual = check_schema(path, parquet.schema_arrow, expected)
-            table = parquet.read(columns=_present(names, actual))
+            if info is not None and (names is None or info.bytes <= DECODE_WHOLE_BYTES):
+                # every column, kept: the next read of these verified bytes decodes nothing
+                table = parquet.read()
+                TABLES.remember(info.tagged_digest, table)
+                present = _present(names, actual)
+                table = table if present is None else table.select(present)
+            else:
+                table = parquet.read(columns=_present(names, actual))
     if info is not None and info.rows is not None and table.num_rows != info.rows:
         raise IntegrityError(f"{path}: {table.num_rows} rows, its manifest says {info.rows}")
     problems = null_problems(table, expected)

@@ -164,13 +164,23 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.resolved(), sort_keys=False), end="")
         return 0
+    return run_stage(name, config, force=args.force, debug=args.debug)
+
+
+def run_stage(name: str, config: Any, *, force: bool = False, debug: bool = False) -> int:
+    """Run stage `name` on a parsed config in this process as its command line does (stopped
+    cleanly by SIGINT / SIGTERM, a failure reported in one paragraph, nothing partial left,
+    where its artifact went printed); returns the exit code."""
+    from rlpipe.stages import get_stage
+
+    stage = get_stage(name)
     started = time.perf_counter()
     with exit_on_signals(f"stage {name}"):
         try:
-            manifest = stage.run(config, force=args.force)
+            manifest = stage.run(config, force=force)
         except Exception as e:
             discard_open_staging()  # nothing partial stays behind
-            return report_failure(e, args.debug, lambda m: print(f"error: {name}: {m}", file=sys.stderr))
+            return report_failure(e, debug, lambda m: print(f"error: {name}: {m}", file=sys.stderr))
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"

@@ -7,7 +7,7 @@ fields and one `reset()` that puts it back as a fresh process has it:
 
 - `PENDING` (`PendingWrites`, rlpipe.schemas.pending): artifacts whose manifest is decided while
   a background thread writes their files;
-- `TABLES` (`TableMemory`, rlpipe.schemas.table_memory): the shards this process wrote, as tables;
+- `TABLES` (`TableMemory`, rlpipe.schemas.table_memory): the shards this process wrote or read, as tables;
 - `BACKGROUND` (`BackgroundSaves`, rlpipe.stages.common.background): whether saves may run in the
   background, the saves in flight, their failures;
 - `MODELS` (`ModelMemory`, rlpipe.stages.common.models): the model cache, the stages' slots,
@@ -16,7 +16,9 @@ fields and one `reset()` that puts it back as a fresh process has it:
   weight channel between resident groups and the deliveries its current order takes;
 - `LIVE` (`LiveEngine`, rlpipe.stages.rollout.vllm_engine): the live vLLM engine and its counts;
 - `WARM` (`WarmEngines`, rlpipe.stages.optimize.replay): the optimize engines kept warm, by the
-  id of the state they hold.
+  id of the state they hold;
+- `PROMPT_MEMORY` (`PromptMemory`, rlpipe.stages.rollout.prompt_memory): the prompts artifact the
+  rollout read last, checked, by content.
 
 The objects of `schemas` and `stages.common` are listed here; a stage's own (a layer above this
 module) registers itself with `register` as its module is imported: one that was never imported

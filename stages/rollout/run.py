@@ -21,16 +21,13 @@ from typing import Any
 import pyarrow as pa
 
 from rlpipe.schemas import (
-    PROMPTS,
     ROLLOUTS,
     ArtifactWriter,
     Manifest,
-    read_table_artifact,
     shard_name,
 )
 from rlpipe.schemas.config import ConfigError
 from rlpipe.schemas.errors import DataError
-from rlpipe.schemas.prompts import duplicate_ids, duplicates_text, empty_prompts, rows_text
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX, sampled_lengths
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -44,6 +41,7 @@ from rlpipe.stages.rollout.core import (
     worker_shards,
 )
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec, get_engine
+from rlpipe.stages.rollout.prompt_memory import PROMPT_MEMORY
 
 STAGE = "rollout"
 
@@ -53,11 +51,9 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
     inputs, key = start.inputs, start.key
     started = start.started
 
-    prompts = read_table_artifact(config.prompts, PROMPTS).to_pylist()
-    if not prompts:
-        raise DataError(f"prompts artifact {config.prompts} has no rows: nothing to sample")
-    _check_prompts(prompts, config.prompts)
-    groups = [prompts[i] for i in select_prompts(len(prompts), config.group_count(), config.prompt_offset)]
+    prompts = PROMPT_MEMORY.read(config.prompts, inputs["prompts"].content_hash)  # (checked)
+    rows = select_prompts(prompts.num_rows, config.group_count(), config.prompt_offset)
+    groups = prompts.take(pa.array(rows, type=pa.int64())).to_pylist()
     shards = shard_ranges(len(groups), config.groups_per_shard)
     mine = worker_shards(len(shards), config.worker_index, config.worker_count)
 
@@ -123,20 +119,6 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
         commit=lambda: writer.commit(extra=_summary(writer.staging, writer) | extra,
                                      wall_time_s=time.time() - started),
         extra=extra)
-
-
-def _check_prompts(prompts: list[dict[str, Any]], path: Path) -> None:
-    """Refuse prompts that would give rows another prompt's tokens (a repeated prompt_id: tokens
-    are looked up by id) or sample from nothing (an empty prompt)."""
-    dups = duplicate_ids([p["prompt_id"] for p in prompts])
-    if dups:
-        raise DataError(f"prompts artifact {path}: column 'prompt_id' repeats ids ({duplicates_text(dups)}; "
-                         "rows counted from 0 in artifact order): give every prompt its own id")
-    empty = empty_prompts([p["prompt"] for p in prompts], [p["messages"] for p in prompts])
-    if empty:
-        raise DataError(f"prompts artifact {path}: empty prompts (column 'prompt' blank and no "
-                         f"'messages' with content) at rows {rows_text(empty)} (counted from 0 in "
-                         "artifact order): remove them or fill them in")
 
 
 def _use_chat_template(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> bool:

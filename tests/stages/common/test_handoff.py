@@ -89,6 +89,51 @@ def test_a_policy_handed_over_again_is_laid_out_as_safetensors_lays_it_out(tiny_
                 p.sub_(1.0)
 
 
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_later_saves_write_what_save_pretrained_writes_without_it(name, tiny_tokenizer, tmp_path, in_background,
+                                                                   monkeypatch):
+    """After a module's first hand-over, the next ones write its files from the form kept of the
+    first (`SavedForm`): byte for byte `save_pretrained`'s files on every architecture (tied heads,
+    converted weights), without calling it; a changed config, another tokenizer or another module
+    goes through `save_pretrained` again."""
+    from rlpipe.stages.common import tiny
+
+    calls = []
+    real = tiny.save_pretrained
+    monkeypatch.setattr(tiny, "save_pretrained", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    tok = copy.deepcopy(tiny_tokenizer)
+    model = build_model(name, tok)
+
+    def handed(n, module=model, tokenizer=tok):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        manifest, _ = handoff.hand_over(module, tokenizer, tmp_path / f"handed{n}", max_shard_size="5GB",
+                                        manifest_fields=FIELDS, copy=n % 2 == 0, stable=True)
+        background.wait_for_background()
+        saved = real(module, tokenizer, tmp_path / f"saved{n}")
+        assert _files(tmp_path / f"handed{n}") == _files(saved), (name, n)
+        assert manifest.content_hash == commit_directory(saved, **FIELDS).content_hash
+        return len(calls)
+
+    if name in SAVED_AS_BUILT:  # every save through transformers, still byte for byte
+        assert [handed(n) for n in range(3)] == [1, 2, 3]
+        return
+    assert [handed(n) for n in range(3)] == [1, 1, 1]  # (the first save only)
+    model.config.rlpipe_note = "changed"  # a config change shows in config.json: saved through transformers
+    assert handed(3) == 2
+    assert handed(4, tokenizer=copy.deepcopy(tok)) == 3
+    other = build_model(name, tok)
+    assert handed(5, module=other) == 4
+    assert handed(6, module=other) == 4
+
+
+#: Architectures whose checkpoints transformers writes from tensors it builds as it saves (the
+#: mixtures of experts: one tensor per expert from the fused module's), which `SavedForm` leaves
+#: to transformers.
+SAVED_AS_BUILT = {"qwen2_moe", "mixtral", "olmoe"}
+
+
 def test_the_manifest_is_known_before_the_files_and_readers_wait(tiny_tokenizer, tmp_path, in_background):
     model = build_model("llama", tiny_tokenizer)
     gate = threading.Event()
