@@ -17,8 +17,8 @@ fields and one `reset()` that puts it back as a fresh process has it:
 - `LIVE` (`LiveEngine`, rlpipe.stages.rollout.vllm_engine): the live vLLM engine and its counts;
 - `WARM` (`WarmEngines`, rlpipe.stages.optimize.replay): the optimize engines kept warm, by the
   id of the state they hold;
-- `PROMPT_MEMORY` (`PromptMemory`, rlpipe.stages.rollout.prompt_memory): the prompts artifact the
-  rollout read last, checked, by content.
+- `PROMPT_MEMORY` (`PromptMemory`, rlpipe.stages.rollout.prompt_memory): the content hash of the
+  prompts whose rows the rollout checked last.
 
 The objects of `schemas` and `stages.common` are listed here; a stage's own (a layer above this
 module) registers itself with `register` as its module is imported: one that was never imported

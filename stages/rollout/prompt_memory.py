@@ -1,11 +1,13 @@
-"""The prompts a rollout samples from, read and checked once per content in a process.
+"""The prompts a rollout samples from, checked once per content in a process.
 
 Every iteration's rollout reads the same prompts artifact: a resident rollout worker (and the
-local runner) would decode it, turn every row into Python and check every row again each time
-(0.8 ms at the demo's 900 prompts, ~0.1 s at 100,000), for the few hundred rows an iteration
-samples. Here the artifact is read and checked once per content hash (what the stage's inputs name
-it by), kept as its Arrow table, and each iteration turns only the rows it samples into Python
-(`pa.Table.take`). A changed artifact has another content hash, so it is read and checked again.
+local runner) turned every row into Python and checked every row again each time (0.8 ms at the
+demo's 900 prompts, ~0.1 s at 100,000), for the few hundred rows an iteration samples. The read
+itself stays what every read is (the file verified against its manifest, by the memo of verified
+files; the decode skipped where this process holds the table: schemas/table_memory.py), so a
+changed or damaged file is still refused; what is kept is that the rows of this content hash
+passed the checks (`check_prompts`), and each iteration turns only the rows it samples into
+Python (`pa.Table.take`).
 
 Process-wide state: `PROMPT_MEMORY`, reset with the other process-wide objects
 (stages/common/process_state.py).
@@ -24,27 +26,25 @@ from rlpipe.stages.common.process_state import register
 
 
 class PromptMemory:
-    """The prompts artifact this process read last, checked, by its content hash."""
+    """The content hash of the prompts artifact whose rows this process checked last."""
 
     def __init__(self) -> None:
-        self.content_hash: str | None = None
-        """The content hash of the artifact held (None: none)."""
-        self.table: pa.Table | None = None
-        """Its rows, checked (`check_prompts`)."""
+        self.checked: str | None = None
+        """That content hash (None: none checked)."""
 
     def read(self, path: Path, content_hash: str) -> pa.Table:
-        """Prompts artifact `path`, whose content hash is `content_hash`, checked: read and
-        checked only when it is not the artifact held."""
-        if self.content_hash != content_hash or self.table is None:
-            table = read_table_artifact(path, PROMPTS)
-            if table.num_rows == 0:
-                raise DataError(f"prompts artifact {path} has no rows: nothing to sample")
+        """Prompts artifact `path` (its manifest's content hash `content_hash`), read and
+        verified; its rows checked unless this content's were."""
+        table = read_table_artifact(path, PROMPTS)
+        if table.num_rows == 0:
+            raise DataError(f"prompts artifact {path} has no rows: nothing to sample")
+        if self.checked != content_hash:
             check_prompts(table, path)
-            self.content_hash, self.table = content_hash, table
-        return self.table
+            self.checked = content_hash
+        return table
 
     def reset(self) -> None:
-        self.content_hash = self.table = None
+        self.checked = None
 
 
 def check_prompts(table: pa.Table, path: Path) -> None:
@@ -61,5 +61,5 @@ def check_prompts(table: pa.Table, path: Path) -> None:
                          "artifact order): remove them or fill them in")
 
 
-#: This process's prompts (see the module doc).
+#: What this process checked (see the module doc).
 PROMPT_MEMORY = register(PromptMemory())
