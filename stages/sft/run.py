@@ -49,12 +49,17 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
 
     # Data: one example per prompts row (prompt+answer+EOS, or plain text when answer is null).
     model, tokenizer = load_model(config.base, cache=False)
-    table = read_table_artifact(config.prompts, PROMPTS, columns=["prompt", "answer"])
+    table = read_table_artifact(config.prompts, PROMPTS, columns=["prompt", "answer", "messages"])
     prompts, answers = table.column("prompt").to_pylist(), table.column("answer").to_pylist()
     if not prompts:
         raise DataError(f"{config.prompts}: the prompts artifact has no rows to train on")
-    prompt_ids = tokenizer(prompts).input_ids
-    examples = [_encode(tokenizer, p, a, config) for p, a in zip(prompt_ids, answers, strict=True)]
+    turns = _chat_turns(tokenizer, config)
+    if turns is None:
+        prompt_ids = tokenizer(prompts).input_ids
+        examples = [_encode(tokenizer, p, a, config) for p, a in zip(prompt_ids, answers, strict=True)]
+    else:  # through the chat template, as the episodes lay the same turns out
+        examples = [_encode_chat(turns, tokenizer, p, m, a, config)
+                    for p, m, a in zip(prompts, table.column("messages").to_pylist(), answers, strict=True)]
     steps = core.num_steps(len(examples), config.batch_size, config.epochs, config.max_steps)
     schedule = core.batch_schedule(len(examples), config.batch_size, steps, config.seed)
 
@@ -126,6 +131,45 @@ def _encode(tokenizer, prompt_ids: list[int], answer: str | None, config: SFTCon
     segments = core.answer_segments(answer, config.mask_tool_responses)
     ids, trained = core.encode_answer(lambda text: tokenizer(text, add_special_tokens=False).input_ids, segments)
     return core.encode_example(prompt_ids, ids, tokenizer.eos_token_id, config.max_length, config.loss_on, trained)
+
+
+def _chat_turns(tokenizer, config: SFTConfig):
+    """The episodes' chat layout (`ChatTurns`, with the environment's tools and the system
+    prompt) when the examples go through the chat template (`config.chat_template`), else None."""
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use = has_template if config.chat_template == "auto" else config.chat_template
+    if not use:
+        if config.system_prompt is not None:
+            raise ConfigError(f"system_prompt is set but the tokenizer of {config.base} has no chat template "
+                              "to put it in: remove system_prompt or give the tokenizer a template")
+        return None
+    if not has_template:
+        raise ConfigError(f"chat_template is true but the tokenizer of {config.base} has no chat template: "
+                          "set one (tokenizer_config.json 'chat_template') or chat_template=false")
+    from rlpipe.stages.rollout.environments.base import make_environment
+    from rlpipe.stages.rollout.environments.episode import ChatTurns
+
+    tools = None
+    if config.environment is not None:
+        try:
+            tools = getattr(make_environment(config.environment)(), "schemas", None)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(str(e)) from None  # (the message names the environment's key)
+    return ChatTurns(tokenizer, tools, config.system_prompt)
+
+
+def _encode_chat(turns, tokenizer, prompt: str, messages: list[dict] | None, answer: str | None, config: SFTConfig):
+    """One example through the chat template (stages/sft/chat.py); a row without an answer is
+    plain text, trained on every token."""
+    from rlpipe.stages.sft import chat, core
+
+    if answer is None:
+        return core.encode_example(tokenizer(prompt).input_ids, None, tokenizer.eos_token_id, config.max_length,
+                                   config.loss_on)
+    opening = list(messages) if messages else [{"role": "user", "content": prompt}]
+    segments = core.answer_segments(answer, config.mask_tool_responses)
+    return chat.chat_example(turns, opening, segments, lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+                             config.max_length, config.loss_on)
 
 
 def _mean_over_ranks(x, world: int) -> float:

@@ -63,3 +63,19 @@ def test_evaluation_answers_as_the_rollout_generates_unless_told_otherwise(tmp_p
                RunLayout(tmp_path / "own"))
     ev = _call(own.setup(), "evaluate").config
     assert (ev.max_new_tokens, ev.match, ev.stop) == (12, "numeric", ("</tool_call>",))
+
+
+def test_the_warm_start_lays_examples_out_as_the_rollout_unless_told_otherwise(tmp_path):
+    """The SFT follows the rollout's chat template, system prompt and environment (its examples
+    laid out as the episodes: stages/sft/chat.py); what the sft section sets wins."""
+    preset = load_preset("demo_tools", ["rollout.system_prompt=Be brief.", "rollout.chat_template=true",
+                                        "iterations=1"])
+    plan = Plan(preset, RunLayout(tmp_path / "run"))
+    sft, rollout = _call(plan.setup(), "sft").config, _call(plan.iteration(0), "rollout").config
+    assert (sft.chat_template, sft.system_prompt, sft.environment) == (True, "Be brief.", rollout.environment)
+    own = Plan(load_preset("demo_tools", ["rollout.system_prompt=Be brief.", "sft.system_prompt=Be kind.",
+                                          "sft.chat_template=auto", "iterations=1"]), RunLayout(tmp_path / "own"))
+    sft = _call(own.setup(), "sft").config
+    assert (sft.chat_template, sft.system_prompt) == ("auto", "Be kind.")
+    plain = _call(Plan(load_preset("demo", ["iterations=1"]), RunLayout(tmp_path / "demo")).setup(), "sft").config
+    assert (plain.chat_template, plain.system_prompt, plain.environment) == ("auto", None, None)

@@ -10,7 +10,7 @@ from rlpipe.schemas.config import ConfigError
 
 
 def test_builtin_presets_exist():
-    assert {"demo", "demo_lora", "demo_tools", "demo_trpo", "grpo", "ppo", "grpo_rm", "smol"} == set(builtin_presets())
+    assert {"demo", "demo_lora", "demo_tools", "demo_trpo", "grpo", "ppo", "grpo_rm", "smol", "smol_tools"} == set(builtin_presets())
 
 
 def _contains(got, want) -> bool:

@@ -9,6 +9,7 @@ markers."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -72,3 +73,30 @@ def test_smol_trains_the_policy_and_inspect_shows_the_template(smol_run):
     said = done.stdout + done.stderr
     assert done.returncode == 0, said
     assert "<|im_start|>user" in said and "<|im_start|>assistant" in said and "<|im_end|>" in said
+
+
+def test_smol_tools_warm_start_calls_the_calculator_as_its_episodes_lay_it_out(smol_run, smollm2_tokenizer):
+    """`rlpipe run smol_tools`: the chat SFT (stages/sft/chat.py) on calculator traces, then GRPO on
+    calculator episodes. After the preset's 4 SFT steps the greedy held-out episodes call the
+    calculator (the base model, offered it in the system prompt, calls it in 0.16 of them), and a
+    call is followed by the tool's result as the template renders a `tool` turn, masked."""
+    code, said = script("run", "smol_tools", "--local", "iterations=1", "prompts_per_iteration=2",
+                        "rollout.group_size=2", "data.task.n_heldout=8", cwd=smol_run)
+    assert code == 0, said
+    tok, run = smollm2_tokenizer, smol_run / "runs" / "smol_tools"
+    r = pl.read_parquet(run / "eval_0000" / "rollouts" / "part-*.parquet")
+    assert r.height == 8
+    called = 0
+    for ids, mask, turns, metadata in zip(r["response_token_ids"], r["response_mask"], r["turns"], r["metadata"],
+                                          strict=True):
+        calls = [c for t in turns for c in t["tool_calls"]]
+        if not calls:
+            continue
+        called += 1
+        task = json.loads(metadata)
+        result = str(task["a"] * task["b"])
+        text = tok.decode(ids.to_list())
+        assert f"<|im_end|>\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n" in text, text
+        reply = [i for i, m in zip(ids.to_list(), mask.to_list(), strict=True) if m == 0]
+        assert tok.decode(reply) == f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
+    assert called >= 4, f"{called} of 8 greedy episodes called the calculator after the warm start"

@@ -126,3 +126,31 @@ def test_a_template_that_rewrites_the_content_is_refused_with_what_to_do(tiny_to
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | lower }}\n{% endfor %}"
     with pytest.raises(ValueError, match="chat_template: false"):
         ChatTurns(tok)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("system", [None, "You can use a calculator."])
+def test_a_chat_sft_example_is_the_episode_of_the_same_turns(smollm2_tokenizer, system):
+    """A tool-use trace as an SFT example through the chat template (stages/sft/chat.py) is, token
+    for token, the episode in which the model samples the same turns: the same ids, targets on
+    exactly the episode's sampled tokens (the '<|im_end|>' ending each turn included), so the
+    warm start trains the layout GRPO then samples."""
+    from rlpipe.stages.rollout.environments.tools import tool_call_text
+    from rlpipe.stages.sft.chat import chat_example
+    from rlpipe.stages.sft.core import answer_segments
+    from rlpipe.stages.task.arithmetic import calculator_trace
+
+    tok = smollm2_tokenizer
+    end = tok.eos_token_id
+    call = tool_call_text("calculator", {"expression": "17*23"})
+    example = chat_example(ChatTurns(tok, None, system), [{"role": "user", "content": "What is 17 * 23?"}],
+                           answer_segments(calculator_trace(17, "*", 23, "391"), True), lambda t: _text(tok, t), 4096)
+
+    model = ScriptedTurns(tok, [_text(tok, call) + [end], _text(tok, "391") + [end]], ["stop", "stop"])
+    [[ep]] = run_episodes(model, [{"prompt": "What is 17 * 23?", "messages": None}], [0], SPEC, _calculator(),
+                          ChatTurns(tok, None, system), max_turns=2)
+    assert example.input_ids == ep.prompt_ids + ep.token_ids
+    assert example.target == [False] * len(ep.prompt_ids) + [m == 1 for m in ep.mask]
+    assert tok.decode([t for t, keep in zip(example.input_ids, example.target) if keep]) == call + "<|im_end|>391<|im_end|>"
+    if system is not None:
+        assert tok.decode(ep.prompt_ids).startswith(f"<|im_start|>system\n{system}<|im_end|>")
