@@ -187,7 +187,7 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> t
         try:
             config = _config(stage, order["config_file"], overrides)
             if config is None:  # (its command line reports why, exit code 2)
-                return stage_main(stage, ["-c", order["config_file"], *overrides]), {}
+                return stage_main(stage, ["-c", order["config_file"], *overrides, *(["--force"] if force else [])]), {}
             if CHANNEL.receiver is not None:
                 CHANNEL.take(_checkpoint_inputs(config))
             code = run_stage(stage, config, force=force)
