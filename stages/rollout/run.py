@@ -123,11 +123,12 @@ def run(config: RolloutConfig, start: StageStart) -> Manifest:
 
 def _use_chat_template(engine, groups: list[dict[str, Any]], config: RolloutConfig) -> bool:
     """Whether prompts go through the tokenizer's chat template (see RolloutConfig.chat_template)."""
-    has_template = getattr(engine.tokenizer, "chat_template", None) is not None
-    use = has_template if config.chat_template == "auto" else config.chat_template
-    if use and not has_template:
-        raise ConfigError(f"chat_template is true but the tokenizer of {config.checkpoint} has no chat "
-                         "template: set one (tokenizer_config.json 'chat_template') or chat_template=false")
+    from rlpipe.stages.rollout.environments.episode import (
+        refuse_system_prompt_without_template,
+        uses_chat_template,
+    )
+
+    use = uses_chat_template(engine.tokenizer, config.chat_template, config.checkpoint)
     if not use:
         chats = [i for i, row in enumerate(groups) if row["messages"]]
         if chats:
@@ -136,9 +137,7 @@ def _use_chat_template(engine, groups: list[dict[str, Any]], config: RolloutConf
             raise ConfigError(f"prompts artifact {config.prompts} gives prompts as chat messages "
                              f"(prompt_id {groups[chats[0]]['prompt_id']!r}, ...) but {why}: use a "
                              "checkpoint whose tokenizer has a chat template, or plain-text prompts")
-        if config.system_prompt is not None:
-            raise ConfigError(f"system_prompt is set but the tokenizer of {config.checkpoint} has no chat "
-                             "template to put it in: remove system_prompt or give the tokenizer a template")
+        refuse_system_prompt_without_template(config.system_prompt, config.checkpoint)
     return use
 
 

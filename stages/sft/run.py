@@ -136,18 +136,16 @@ def _encode(tokenizer, prompt_ids: list[int], answer: str | None, config: SFTCon
 def _chat_turns(tokenizer, config: SFTConfig):
     """The episodes' chat layout (`ChatTurns`, with the environment's tools and the system
     prompt) when the examples go through the chat template (`config.chat_template`), else None."""
-    has_template = getattr(tokenizer, "chat_template", None) is not None
-    use = has_template if config.chat_template == "auto" else config.chat_template
-    if not use:
-        if config.system_prompt is not None:
-            raise ConfigError(f"system_prompt is set but the tokenizer of {config.base} has no chat template "
-                              "to put it in: remove system_prompt or give the tokenizer a template")
-        return None
-    if not has_template:
-        raise ConfigError(f"chat_template is true but the tokenizer of {config.base} has no chat template: "
-                          "set one (tokenizer_config.json 'chat_template') or chat_template=false")
     from rlpipe.stages.rollout.environments.base import make_environment
-    from rlpipe.stages.rollout.environments.episode import ChatTurns
+    from rlpipe.stages.rollout.environments.episode import (
+        ChatTurns,
+        refuse_system_prompt_without_template,
+        uses_chat_template,
+    )
+
+    if not uses_chat_template(tokenizer, config.chat_template, config.base):
+        refuse_system_prompt_without_template(config.system_prompt, config.base)
+        return None
 
     tools = None
     if config.environment is not None:

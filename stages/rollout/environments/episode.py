@@ -85,6 +85,30 @@ class ChatTurns:
         return close + _ids(self.tokenizer(after[len(self._before):], add_special_tokens=False))
 
 
+def uses_chat_template(tokenizer: Any, chat_template: bool | str, checkpoint: Any) -> bool:
+    """Whether turns go through `tokenizer`'s chat template, by a stage's `chat_template` knob
+    (true, false, or 'auto': when the tokenizer has one); a ConfigError naming `checkpoint` when
+    it is true and the tokenizer has none. (The rollout and the sft stage decide it alike.)"""
+    from rlpipe.schemas.config import ConfigError
+
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use = has_template if chat_template == "auto" else chat_template
+    if use and not has_template:
+        raise ConfigError(f"chat_template is true but the tokenizer of {checkpoint} has no chat "
+                          "template: set one (tokenizer_config.json 'chat_template') or chat_template=false")
+    return bool(use)
+
+
+def refuse_system_prompt_without_template(system_prompt: str | None, checkpoint: Any) -> None:
+    """A ConfigError naming `checkpoint` when a system prompt is set for turns that do not go
+    through a chat template (a system turn is a chat turn)."""
+    from rlpipe.schemas.config import ConfigError
+
+    if system_prompt is not None:
+        raise ConfigError(f"system_prompt is set but the tokenizer of {checkpoint} has no chat "
+                          "template to put it in: remove system_prompt or give the tokenizer a template")
+
+
 def sampled_closing(sampled: Sequence[int], closing: Sequence[int]) -> int:
     """How many of the closing's first ids the sampled turn ends with (its end-of-turn token,
     usually 1; 0 for a turn cut by length or ended by a stop string): the largest k with
