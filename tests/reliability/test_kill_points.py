@@ -36,7 +36,8 @@ DRIVER = Path(__file__).parent / "pause_driver.py"
 class KillPoint:
     name: str
     after: tuple[str, ...] = ()
-    """Kill once these artifacts are complete (relative paths in the run)."""
+    """Kill once these artifacts are complete (relative paths in the run); with `pause`, they must
+    be complete when the pause is reached."""
     pause: str | None = None
     """Or: kill while this function ('module:attr@N') is paused at its N-th call."""
     before: tuple[str, ...] = ()
@@ -53,8 +54,14 @@ POINTS = [
     KillPoint("boundary sft | initial evaluation", after=("models/sft",), before=("eval_0000",)),
     KillPoint("during the initial evaluation (rollouts done)", after=("eval_0000/rollouts",), before=("eval_0000",)),
     KillPoint("boundary evaluation | rollout", after=("eval_0000",), before=("iter_0000/rollouts",)),
-    KillPoint("boundary rollout | score", after=("iter_0000/rollouts",), before=("iter_0000/scores",)),
-    KillPoint("boundary score | advantage", after=("iter_0000/scores",), before=("iter_0000/advantages",)),
+    # Pauses, not polls: scoring and advantages take a few milliseconds at this size, so a poll
+    # for the previous manifest can land after the next one. Each pause is the stage's first read.
+    KillPoint("boundary rollout | score (rollouts complete)",
+              pause="rlpipe.stages.score.run:read_manifest@1", after=("iter_0000/rollouts",),
+              before=("iter_0000/scores",)),
+    KillPoint("boundary score | advantage (scores complete)",
+              pause="rlpipe.stages.advantage.run:iter_shards@1", after=("iter_0000/scores",),
+              before=("iter_0000/advantages",)),
     KillPoint("boundary advantage | optimize", after=("iter_0000/advantages",), before=("iter_0000/policy",)),
     # The policy goes to the next stage in memory and its files are written by a background
     # thread (stages/common/handoff.py): the kill lands with its weights written and no manifest,
@@ -99,7 +106,7 @@ class Zygote:
 def _kill_at(zygote: Zygote, pid: int, run_dir: Path, point: KillPoint, pause_file: Path) -> tuple[bool, int]:
     """Poll for the point (5 ms), SIGKILL the run there; (reached, exit code)."""
     def reached() -> bool:
-        if point.pause:
+        if point.pause:  # (`after` is then checked once killed: too early)
             return pause_file.exists()
         return all((run_dir / a / MANIFEST).is_file() for a in point.after)
 
@@ -136,9 +143,11 @@ def test_every_kill_point_resumes_to_the_uninterrupted_run(reference_run, tmp_pa
         now = hashes(run_dir)
         wrong = {k: v for k, v in now.items() if reference.get(k) != v}
         early = [b for b in point.before if b in now]
+        missing = [a for a in point.after if a not in now]
         partial = partial_artifacts(run_dir)
         problems = [f"differs from the reference: {sorted(wrong)}" if wrong else "",
                     f"killed too late, already complete: {early}" if early else "",
+                    f"killed too early, not complete yet: {missing}" if missing else "",
                     f"partial artifacts visible: {partial}" if partial else ""]
         results.append((point.name, "; ".join(p for p in problems if p) or "identical"))
         kept |= {k: v for k, v in created(run_dir).items()}
