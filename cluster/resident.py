@@ -22,8 +22,8 @@ when it dies (their watchdog sees its pid or heartbeat go): no worker outlives i
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +51,8 @@ from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_until_written
 from rlpipe.stages import StageCall, get_stage
+
+_log = logging.getLogger(__name__)
 
 #: Seconds a stopped group gets to leave before it is killed.
 STOP_GRACE_S = 10.0
@@ -262,7 +264,7 @@ class ResidentGroup:
         try:
             self.handle.stop(grace=STOP_GRACE_S)
         except Exception as e:  # (a scheduler's API call: the members leave with their driver anyway)
-            print(f"rlpipe: stopping the {self.stage} workers: {type(e).__name__}: {e}", file=sys.stderr)
+            _log.warning(f"stopping the {self.stage} workers: {type(e).__name__}: {e}")
         finally:
             self.wait_gone(ABANDON_WAIT_S)
         return failed

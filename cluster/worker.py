@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -47,6 +48,9 @@ from rlpipe.cluster.workorders import (
 )
 from rlpipe.stages import get_stage
 from rlpipe.stages.common.interrupt import exit_on_signals
+from rlpipe.stages.common.log import configure_logging
+
+_log = logging.getLogger("rlpipe.cluster.worker")  # (not __name__: run as __main__)
 
 #: Seconds between a member's heartbeats (and its looks at the driver).
 BEAT_S = 1.0
@@ -84,9 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = GroupDir(a.group.absolute())
     member, members = identity(a.member, a.members)
     stage = group.info["stage"]
+    # the members of a sharded stage are workers of their own, each with its own log; the ranks of
+    # one job share theirs, where rank 0 speaks for them
+    configure_logging(all_ranks=get_stage(stage).scaling != "ranks")
     group.member_started(member, {**this_process(), "time": time.time()})
-    print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} on host {socket.gethostname()} serving {group.path}",
-          flush=True)
+    _log.info(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} on host {socket.gethostname()} serving {group.path}")
     threading.Thread(target=_watchdog, args=(group, member), daemon=True, name="rlpipe-watchdog").start()
     try:
         with exit_on_signals(f"worker {stage}.{member}"):
@@ -112,7 +118,7 @@ def _import_stage(stage: str) -> None:
 
     started = time.perf_counter()
     importlib.import_module(f"{get_stage(stage).module}.run")
-    print(f"[rlpipe worker {stage}] ready ({time.perf_counter() - started:.1f} s of imports)", flush=True)
+    _log.info(f"[rlpipe worker {stage}] ready ({time.perf_counter() - started:.1f} s of imports)")
 
 
 def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
@@ -128,7 +134,7 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
     together = list(range(members)) if get_stage(stage).scaling == "ranks" else [member]
     seq = group.first_unanswered(together)
     if seq > 1:
-        print(f"[rlpipe worker {stage}.{member}] restarted: going on from order {seq}", flush=True)
+        _log.info(f"[rlpipe worker {stage}.{member}] restarted: going on from order {seq}")
     bell = group.bell(member).listen()
     try:
         while True:
@@ -182,8 +188,8 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> t
                  if get_stage(stage).scaling == "shards" and members > 1 else [])
     force = bool(order.get("force"))
     with _output_to(Path(order["logs"][str(member)])):
-        print(f"[rlpipe worker {stage}.{member}] pid {os.getpid()}: -c {order['config_file']} "
-              f"{' '.join(overrides)}{' --force' if force else ''}", flush=True)
+        _log.info(f"[rlpipe worker {stage}.{member}] pid {os.getpid()}: -c {order['config_file']} "
+                  f"{' '.join(overrides)}{' --force' if force else ''}")
         try:
             config = _config(stage, order["config_file"], overrides)
             if config is None:  # (its command line reports why, exit code 2)
@@ -239,7 +245,7 @@ def make_room(stage: str, order: dict[str, Any], member: int) -> int:
         except BaseException:  # (a bug: its traceback in the log, as a failed order's)
             traceback.print_exc()
             return 1
-        print(f"[rlpipe worker {stage}.{member}] made room for training on its GPUs: {did}", flush=True)
+        _log.info(f"[rlpipe worker {stage}.{member}] made room for training on its GPUs: {did}")
         return 0
 
 
@@ -274,7 +280,7 @@ def _watchdog(group: GroupDir, member: int) -> None:
             group.beat(count, member)
         why = watch.gone()
         if why is not None:
-            print(f"[rlpipe worker] {why}: leaving", file=sys.stderr, flush=True)
+            _log.warning(f"[rlpipe worker] {why}: leaving")
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(GRACE_S)
             os._exit(1)

@@ -20,7 +20,7 @@ under that server (and its UI shows the tasks and the artifacts).
 
 from __future__ import annotations
 
-from rlpipe.flows.settings import configure
+from rlpipe.flows.settings import configure, show_rlpipe_records
 
 configure()
 
@@ -159,6 +159,7 @@ def publish_table(run: str, run_dir: Path) -> None:
 @flow(name="rlpipe-run", log_prints=True)
 def run_flow(preset: Preset, run_dir: str | None = None) -> str:
     """Run a preset: data, optional SFT / reward model, then the RL iterations with evaluations."""
+    show_rlpipe_records()
     pipeline = Pipeline(preset, run_dir, log=get_run_logger().info)
     pipeline.call = FlowStages(pipeline.plan, pipeline.layout.name, pipeline.launcher)
     pipeline.on_iteration = lambda record: publish_table(pipeline.layout.name, pipeline.layout.root)
@@ -174,6 +175,7 @@ def stage_flow(name: str, config: dict | None = None, force: bool = False, confi
     pool); with a `placement` (workers, ranks_per_node, ...) as the processes launcher would.
     With `worker_group` (a resident group's folder): run the group's members until they leave
     (`rlpipe.flows.pools.serve_group`)."""
+    show_rlpipe_records()
     from rlpipe.cluster.placement import Launch
     from rlpipe.cluster.processes import ProcessLauncher
     from rlpipe.schemas.config import load_config

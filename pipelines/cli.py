@@ -37,6 +37,21 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _options(
+    log_level: Annotated[str | None, typer.Option(
+        "--log-level", metavar="LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR for rlpipe's diagnostics (default: $RLPIPE_LOG_LEVEL, else INFO); "
+             "command output and errors always show.")] = None,
+) -> None:
+    from rlpipe.stages.common.log import configure_logging
+
+    try:
+        configure_logging(log_level)
+    except ValueError as e:
+        raise _fail(f"--log-level: {e}", 2) from None
+
+
 
 
 @app.command()

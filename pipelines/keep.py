@@ -27,6 +27,7 @@ into the directory, then the manifest is removed, then the other files.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from rlpipe.schemas.manifest import MANIFEST_NAME
 from rlpipe.schemas.pruning import PRUNED_NAME, Pruned
 from rlpipe.schemas.reading import exists, read_manifest
 from rlpipe.schemas.runs import iteration_dirs
+
+_log = logging.getLogger(__name__)
 
 #: Table artifacts of an iteration that `tables: false` prunes (metrics and evaluations stay: the
 #: report reads them).
@@ -130,10 +133,10 @@ def _best(iters: dict[int, Path], metric: str) -> int | None:
 
 
 def prune_run(run_dir: Path, keep: Keep, *, staleness: int = 0, dry_run: bool = False,
-              log: Callable[[str], None] = print) -> int:
+              log: Callable[[str], None] | None = None) -> int:
     """Delete what `keep` no longer keeps (`deletions`), logging each with its size; returns the
-    bytes freed (or that would be, with `dry_run`)."""
-    freed = 0
+    bytes freed (or that would be, with `dry_run`); `log`: default the `rlpipe.pipelines.keep` logger."""
+    freed, log = 0, log or _log.info
     for deletion in deletions(run_dir, keep, staleness=staleness):
         path, reason = deletion.path, deletion.reason
         size = artifact_bytes(path) if dry_run else prune_artifact(path, reason)

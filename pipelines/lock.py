@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from rlpipe.cluster.workorders import this_process
 from rlpipe.schemas.errors import UserError
+
+_log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 
@@ -49,10 +52,10 @@ def _open(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path | str, log: Callable[[str], None] = print) -> Iterator[bool]:
+def run_lock(run_dir: Path | str, log: Callable[[str], None] | None = None) -> Iterator[bool]:
     """Hold the lock of `run_dir` for the block, which gets True; RunLocked if another live process
     holds it. On a read-only run directory no lock is taken and the block gets False."""
-    run_dir = Path(run_dir)
+    run_dir, log = Path(run_dir), log or _log.info
     path = run_dir / LOCK_NAME
     while True:
         fd = _open(path)

@@ -12,6 +12,7 @@ are not recomputed, unfinished ones are recomputed from scratch.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
 from rlpipe.schemas.runs import iteration_dirs
 from rlpipe.stages import StageCall
 from rlpipe.stages.common.background import allow_background, wait_for_background
+
+_log = logging.getLogger(__name__)
 
 StageCallable = Callable[[StageCall], Manifest]
 #: libyaml's dumper where PyYAML has it (the same YAML, ~5x faster than the pure-Python one)
@@ -63,12 +66,12 @@ class Pipeline:
             launcher of `preset.launch` (`rlpipe.cluster.launchers.launcher_for`), `self.launcher`,
             which the run closes when it ends (stopping its resident worker groups).
         on_iteration: called with each IterationRecord (the flow publishes Prefect artifacts).
-        log: where progress lines go.
+        log: where progress lines go (default: the `rlpipe.pipelines.runner` logger, at INFO).
     """
 
     def __init__(self, preset: Preset, run_dir: Path | str | None = None, *, call: StageCallable | None = None,
                  on_iteration: Callable[[IterationRecord], None] | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] | None = None):
         self.preset = preset
         self.layout = RunLayout(Path(run_dir) if run_dir is not None else Path("runs") / preset.name)
         # (models named by Hub id run from their snapshot folders; the preset saved keeps the ids)
@@ -81,7 +84,7 @@ class Pipeline:
         self.launcher = launcher_for(preset.launch, self.plan.iteration_stages(), self.overlaps)
         self.call = call or self.launcher
         self.on_iteration = on_iteration
-        self.log = log
+        self.log = log or _log.info
         self.records: list[IterationRecord] = []
 
     def execute(self, call: StageCall, seconds: dict[str, float]) -> Manifest:

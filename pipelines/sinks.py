@@ -25,8 +25,8 @@ A sink is a class with `log_hparams(dict)`, `log_iteration(step, metrics, sample
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +35,8 @@ from typing import Any
 
 from rlpipe.pipelines.report_html import REFRESH_SECONDS
 from rlpipe.schemas.config import ConfigError
+
+_log = logging.getLogger(__name__)
 
 #: The live report's curves.png takes at most 1/PLOT_SHARE of a run's time (RunMonitor): 1%.
 PLOT_SHARE = 100
@@ -260,8 +262,7 @@ class RunMonitor:
         try:
             render_report(inputs, live=True, plot=plot)
         except Exception as e:  # noqa: BLE001 (a report is no reason to stop training; the final one is written again)
-            print(f"rlpipe: the live report could not be written ({type(e).__name__}: {e})", file=sys.stderr,
-                  flush=True)
+            _log.warning(f"the live report could not be written ({type(e).__name__}: {e})")
             return
         if plot:
             self._plotted_at, self._plot_s = started, time.perf_counter() - started

@@ -39,6 +39,22 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+
+@pytest.fixture(autouse=True)
+def _rlpipe_logger_as_a_library_has_it():
+    """A test that runs a command in this process (a CliRunner, a flow) configures the `rlpipe`
+    logger as a command line does (stages/common/log.py: its own handler, no propagation); the
+    next test gets it back as a library has it (so pytest's caplog, on the root, sees records)."""
+    import logging
+
+    yield
+    logger = logging.getLogger("rlpipe")
+    for handler in [h for h in logger.handlers if getattr(h, "_rlpipe", False)]:
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    os.environ.pop("RLPIPE_LOG_LEVEL", None)
+
 @pytest.fixture
 def fresh_process_state():
     """The process-wide state (cached models and slots, the live vLLM engine, warm optimize

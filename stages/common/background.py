@@ -25,10 +25,12 @@ other process-wide object through `process_state.reset_process_state()`.
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+_log = logging.getLogger(__name__)
 
 
 class BackgroundSaves:
@@ -82,13 +84,13 @@ def in_background(save: Callable[[], None], what: str) -> None:
             save()
         except BaseException as e:  # raised by the next wait_for_background; said at once
             BACKGROUND.failed.append((what, e))
-            print(f"rlpipe: writing {what} in the background failed ({type(e).__name__}: "
-                  f"{(str(e).splitlines() or [''])[0][:300]})", file=sys.stderr, flush=True)
+            _log.error(f"writing {what} in the background failed ({type(e).__name__}: "
+                       f"{(str(e).splitlines() or [''])[0][:300]})")
             for tell in list(BACKGROUND.on_failure):
                 try:
                     tell(what, e)
                 except Exception as told:  # noqa: BLE001 (the failure itself is raised later anyway)
-                    print(f"rlpipe: could not report that failure ({told})", file=sys.stderr, flush=True)
+                    _log.error(f"could not report that failure ({told})")
 
     thread = threading.Thread(target=target, name=f"rlpipe-save {what}")
     thread.start()
@@ -108,5 +110,5 @@ def wait_for_background(*, raise_errors: bool = True) -> float:
         if raise_errors:
             message = f"writing {what} in the background failed: {type(e).__name__}: {e}"
             raise (ArtifactError(message) if isinstance(e, UserError) else RuntimeError(message)) from e
-        print(f"rlpipe: writing {what} in the background failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _log.error(f"writing {what} in the background failed: {type(e).__name__}: {e}")
     return time.perf_counter() - started

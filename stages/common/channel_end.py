@@ -9,6 +9,7 @@ other process-wide object: `process_state.reset_process_state()`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
 from rlpipe.schemas.reading import read_manifest
 from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Receiver, Sender
 from rlpipe.stages.common.weight_delivery import Delivery
+
+_log = logging.getLogger(__name__)
 
 
 class WeightChannel:
@@ -73,8 +76,7 @@ class WeightChannel:
                 self.taken[path] = delivery
                 register_elsewhere(path, delivery.manifest)
             elif _sent_by_optimize(path):
-                print(f"[rlpipe weight channel] {path} did not come over the weight channel: reading "
-                      "its file", flush=True)
+                _log.info(f"[rlpipe weight channel] {path} did not come over the weight channel: reading its file")
                 # (optimize may still be writing it in the background: a large policy takes a
                 # while; a writer that hangs is the driver's stall timeout's to catch)
                 wait_for_manifest(path)

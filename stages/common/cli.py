@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import logging
 import os
 import sys
 import time
@@ -19,6 +20,9 @@ from typing import Any, NoReturn
 from rlpipe.schemas.config import ConfigError, describe_fields, load_config
 from rlpipe.schemas.staging import discard_open_staging
 from rlpipe.stages.common.interrupt import exit_on_signals
+from rlpipe.stages.common.log import configure_logging
+
+_log = logging.getLogger(__name__)
 
 
 def own_cache_dirs() -> None:
@@ -153,7 +157,15 @@ def stage_main(name: str, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="recompute even if a cached artifact matches")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
+    parser.add_argument("--log-level", metavar="LEVEL", default=None,
+                        help="DEBUG, INFO, WARNING or ERROR for rlpipe's diagnostics (default: $RLPIPE_LOG_LEVEL, "
+                             "else INFO); the closing line is INFO")
     args = parser.parse_args(argv)
+    try:
+        configure_logging(args.log_level)
+    except ValueError as e:
+        print(f"error: --log-level: {e}", file=sys.stderr)
+        return 2
     try:
         config = load_config(config_cls, args.config, args.overrides)
     except ConfigError as e:
@@ -184,5 +196,5 @@ def run_stage(name: str, config: Any, *, force: bool = False, debug: bool = Fals
     elapsed = time.perf_counter() - started
     where = ", ".join(str(p) for p in config.outputs().values())
     rows = f"{manifest.rows} rows in {len(manifest.shard_names)} shard(s)" if manifest.kind == "table" else f"{len(manifest.files)} files"
-    print(f"{name}: wrote {where} ({rows}, content {manifest.content_hash[:12]}) in {elapsed:.1f} s")
+    _log.info(f"{name}: wrote {where} ({rows}, content {manifest.content_hash[:12]}) in {elapsed:.1f} s")
     return 0

@@ -17,13 +17,14 @@ import contextlib
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 
 def import_deepspeed():
@@ -143,8 +144,8 @@ def _announce_op_build() -> None:
         return
     _clear_stale_build_lock(built.parent / "lock")
     if not built.exists():
-        print(f"building DeepSpeed's CPU communication op {builder.name} (first use on this machine, "
-              f"~1 min; cached in {built.parent})...", file=sys.stderr, flush=True)
+        _log.info(f"building DeepSpeed's CPU communication op {builder.name} (first use on this machine, "
+                  f"~1 min; cached in {built.parent})...")
 
 
 #: A build lock older than this was left by a killed build (the op builds in about a minute).
@@ -163,8 +164,8 @@ def _clear_stale_build_lock(lock: Path) -> None:
         return
     if age > STALE_BUILD_LOCK_S:
         lock.unlink(missing_ok=True)
-        print(f"removed {lock}: a build lock {age / 60:.0f} min old, left by a killed build of the op "
-              "(a build takes about a minute)", file=sys.stderr, flush=True)
+        _log.warning(f"removed {lock}: a build lock {age / 60:.0f} min old, left by a killed build of the op "
+                     "(a build takes about a minute)")
 
 
 @contextlib.contextmanager

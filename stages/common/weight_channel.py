@@ -34,6 +34,7 @@ current order takes) is `channel_end.CHANNEL`.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -50,6 +51,8 @@ from rlpipe.schemas.atomic import atomic_write_json
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
 from rlpipe.stages.common import shared_weights
 from rlpipe.stages.common.weight_delivery import Delivery, check_delivery
+
+_log = logging.getLogger(__name__)
 
 #: Bytes as the sender holds them (a file's, or a piece of one).
 Buffer = bytes | bytearray | memoryview
@@ -216,13 +219,13 @@ class Sender:
             else:
                 self._broadcast_files(pieces)
         except Exception as e:  # a member gone, a timeout: this generation is over
-            print(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}: "
-                  f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file", flush=True)
+            _log.warning(f"[rlpipe weight channel] sending {policy} failed ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file")
             self.close()
             return False
         size = sum(len(p) for parts in pieces.values() for p in parts)
-        print(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
-              f"member(s) in {time.perf_counter() - started:.2f} s{' (shared memory)' if shared else ''}", flush=True)
+        _log.info(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
+                  f"member(s) in {time.perf_counter() - started:.2f} s{' (shared memory)' if shared else ''}")
         return True
 
     def _broadcast_files(self, pieces: Mapping[str, list[Buffer]]) -> None:
@@ -299,8 +302,8 @@ class Receiver:
                 group = _new_group(address.backend, torch.distributed.PrefixStore(f"weights/{joined}", store),
                                    self.member + 1, address.receivers + 1, self.timeout_s)
             except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
-                print(f"[rlpipe weight channel] member {self.member} could not join generation {joined} "
-                      f"({type(e).__name__}); it reads the policy files until the next", flush=True)
+                _log.warning(f"[rlpipe weight channel] member {self.member} could not join generation {joined} "
+                             f"({type(e).__name__}); it reads the policy files until the next")
                 continue
             try:
                 received = 0
@@ -314,8 +317,8 @@ class Receiver:
                 with self._lock:
                     self._receiving = None
                     self._lock.notify_all()
-                print(f"[rlpipe weight channel] member {self.member}: generation {joined} ended "
-                      f"({type(e).__name__}); waiting for the next", flush=True)
+                _log.info(f"[rlpipe weight channel] member {self.member}: generation {joined} ended "
+                          f"({type(e).__name__}); waiting for the next")
 
     def _receive(self, group: Any, header: dict[str, Any], store: Any) -> None:
         policy = Path(header["policy"])
@@ -336,8 +339,8 @@ class Receiver:
                 # only the newest policy is kept: a rollout samples from the latest it was sent
                 self._deliveries = {policy: Delivery(policy, manifest, files)}
             else:
-                print(f"[rlpipe weight channel] member {self.member}: {policy} arrived {problem}; "
-                      "the file is read instead", flush=True)
+                _log.warning(f"[rlpipe weight channel] member {self.member}: {policy} arrived {problem}; "
+                             "the file is read instead")
             self._lock.notify_all()
 
     def take(self, policy: Path | str, timeout_s: float) -> Delivery | None:

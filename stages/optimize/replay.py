@@ -28,9 +28,9 @@ loads the state from disk; tests reset it with every other process-wide object t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ from rlpipe.schemas.errors import UserError
 from rlpipe.stages.common.process_state import register
 from rlpipe.stages.optimize.config import OptimizeConfig
 from rlpipe.stages.optimize.training import Engines, prepare, train
+
+_log = logging.getLogger(__name__)
 
 
 class WarmEngines:
@@ -129,9 +131,9 @@ def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: d
         timing["replay_s"] = time.perf_counter() - mark
         timing["replayed_runs"] = float(len(manifests) - (held or 0))
         if d.rank == 0:  # (a resume, or launches that keep no engine: say what the cadence cost)
-            print(f"optimize: replayed {len(manifests) - (held or 0)} optimize run(s) since the last saved train state "
-                  f"({state or 'none: from the start'}) in {timing['replay_s']:.1f} s; optimize.state_every sets "
-                  "how often it is saved", file=sys.stderr, flush=True)
+            _log.info(f"optimize: replayed {len(manifests) - (held or 0)} optimize run(s) since the last saved "
+                      f"train state ({state or 'none: from the start'}) in {timing['replay_s']:.1f} s; "
+                      "optimize.state_every sets how often it is saved")
     return _fit(E, engines, config, dscfg, state, d.rank, beside), tokenizer
 
 

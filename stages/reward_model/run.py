@@ -11,7 +11,7 @@ The checkpoint manifest is written after the metrics, so it exists only when bot
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from pathlib import Path
 
@@ -32,6 +32,8 @@ from rlpipe.schemas.manifest import MANIFEST_NAME
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.reward_model.config import RewardModelConfig
+
+_log = logging.getLogger(__name__)
 
 STAGE = "reward_model"
 
@@ -105,13 +107,13 @@ def run(config: RewardModelConfig, start: StageStart) -> Manifest:
     if rank == 0:
         accuracy = f"held-out pairwise accuracy {final['eval_accuracy']:.4f} on {len(eval_idx)} pairs" \
             if "eval_accuracy" in final else "no held-out pairs (eval_fraction=0)"
-        print(f"reward_model: {summary['steps']} steps on {len(train_idx)} pairs, final loss "
-              f"{final.get('loss', float('nan')):.4f}, {accuracy}", file=sys.stderr)
+        _log.info(f"reward_model: {summary['steps']} steps on {len(train_idx)} pairs, final loss "
+                  f"{final.get('loss', float('nan')):.4f}, {accuracy}")
         if summary.get("eval_near_chance"):
-            print(f"warning: reward_model: held-out pairwise accuracy {final['eval_accuracy']:.4f} is within "
-                  f"chance (0.5 + {summary['eval_chance_band']:.3f}, two standard deviations of a coin on "
-                  f"{len(eval_idx)} pairs): the reward model has not learnt these preferences; give it "
-                  "more or clearer pairs, more epochs or another lr", file=sys.stderr)
+            _log.warning(f"reward_model: held-out pairwise accuracy {final['eval_accuracy']:.4f} is within "
+                         f"chance (0.5 + {summary['eval_chance_band']:.3f}, two standard deviations of a coin on "
+                         f"{len(eval_idx)} pairs): the reward model has not learnt these preferences; give it "
+                         "more or clearer pairs, more epochs or another lr")
     engine.destroy()
     barrier()
     return read_manifest(config.output)

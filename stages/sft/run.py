@@ -9,7 +9,7 @@ Reads a `prompts` artifact and a base checkpoint; writes a Hugging Face checkpoi
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 
 from rlpipe.schemas import (
@@ -26,6 +26,8 @@ from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.sft.config import SFTConfig
+
+_log = logging.getLogger(__name__)
 
 STAGE = "sft"
 
@@ -115,8 +117,8 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
                                         cache_key=key, extra=summary, wall_time_s=train_time)
     if trained is not None:
         remember(config.output, "causal", trained, tokenizer)  # warm for the next stage in this process
-        print(f"sft: {steps} steps on {len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"(final), {train_time:.1f} s", file=sys.stderr)
+        _log.info(f"sft: {steps} steps on {len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+                  f"(final), {train_time:.1f} s")
     engine.destroy()
     barrier()
     return manifest if manifest is not None else read_manifest(config.output)

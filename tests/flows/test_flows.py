@@ -30,6 +30,16 @@ def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file
     run_dir = tmp_path / "runs" / "mini"
     state = run_flow(preset, str(run_dir), return_state=True)
     assert state.is_completed(), state
+    # rlpipe's own loggers reach the run's logs in Prefect's UI (its extra loggers): the SFT
+    # stage's summary, logged in its task run by `rlpipe.stages.sft.run`
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # (records are sent in batches)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    sft = [log.message for log in logs if log.name == "rlpipe.stages.sft.run"]
+    assert len(sft) == 1 and sft[0].startswith("sft: ") and " steps on " in sft[0], [(g.name, g.message) for g in logs]
     assert read_manifest(run_dir / "iter_0000/policy").kind == "checkpoint"
     assert (run_dir / "report/curves.png").is_file()
 

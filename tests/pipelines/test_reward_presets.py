@@ -102,9 +102,11 @@ def test_chance_band_is_two_coin_standard_deviations():
     assert not near_chance(0.9, 90)
 
 
-def test_reward_model_at_chance_warns(tmp_path, tiny_policy_dir, capfd):
+def test_reward_model_at_chance_warns(tmp_path, tiny_policy_dir, caplog):
     """Pairs whose two responses are the same text cannot be ranked (r_c == r_r, accuracy 0): the
-    stage ends with a one-line warning and flags its manifest."""
+    stage ends with a one-line warning (a WARNING record of its logger) and flags its manifest."""
+    import logging
+
     import pyarrow as pa
 
     from rlpipe.schemas import PREFERENCES, write_table_artifact
@@ -118,10 +120,11 @@ def test_reward_model_at_chance_warns(tmp_path, tiny_policy_dir, capfd):
     stage = get_stage("reward_model")
     config = parse_config(stage.config_class(), {"preferences": tmp_path / "prefs", "base": tiny_policy_dir,
                                                  "output": tmp_path / "rm", "eval_fraction": 0.25, "max_length": 32})
-    manifest = stage.run(config)
-    err = capfd.readouterr().err
-    warnings = [line for line in err.splitlines() if line.startswith("warning: reward_model:")]
-    assert len(warnings) == 1, err
+    with caplog.at_level(logging.INFO, logger="rlpipe"):
+        manifest = stage.run(config)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "rlpipe.stages.reward_model.run"]
+    assert len(warnings) == 1 and warnings[0].startswith("reward_model: "), caplog.records
     assert "held-out pairwise accuracy 0.0000 is within chance (0.5 + 0.316" in warnings[0]  # 1/sqrt(10)
     assert manifest.extra["eval_near_chance"] is True and manifest.extra["eval_pairs"] == 10
     assert manifest.extra["eval_chance_band"] == pytest.approx(10 ** -0.5)

@@ -86,7 +86,7 @@ def test_grpo_end_to_end_golden_counts_order_and_cache(tmp_path, artifacts):
 def test_cli_runs_alone_on_saved_scores(tmp_path, artifacts, capsys):
     _write_inputs(tmp_path, artifacts)
     assert main([f"scores={tmp_path / 'scores'}", f"output={tmp_path / 'adv'}", "estimator=rloo"]) == 0
-    assert "advantage: wrote" in capsys.readouterr().out
+    assert "advantage: wrote" in capsys.readouterr().err  # (a log record: stages/common/log.py)
     table = read_table_artifact(tmp_path / "adv", ADVANTAGES).to_pylist()
     adv = {(r["group_id"], r["sample_index"]): r["advantage"] for r in table}
     # rloo: G / (G - 1) * (r - mean_g); group 5 mean 0.6

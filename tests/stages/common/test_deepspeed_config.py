@@ -76,6 +76,10 @@ def test_notice_before_the_cpu_comm_op_is_built(tmp_path, monkeypatch, capsys):
     import deepspeed.comm.comm as ds_comm
     from deepspeed.ops.op_builder.builder import OpBuilder
 
+    from rlpipe.stages.common.log import configure_logging
+
+    configure_logging("INFO")  # (as a command line has it)
+
     ds.import_deepspeed()
     monkeypatch.setattr(ds_comm, "cdb", None)  # as before the first engine of a process
     monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
@@ -102,6 +106,9 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     from deepspeed.ops.op_builder.builder import OpBuilder
     from torch.utils.cpp_extension import _get_build_directory
 
+    from rlpipe.stages.common.log import configure_logging
+
+    configure_logging("INFO")  # (as a command line has it)
     ds.import_deepspeed()
     monkeypatch.setattr(ds_comm, "cdb", None)
     monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
@@ -116,4 +123,4 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     os.utime(lock, (old, old))
     ds._announce_op_build()
     assert not lock.exists()
-    assert capsys.readouterr().err.startswith(f"removed {lock}: a build lock 11 min old, left by a killed build")
+    assert capsys.readouterr().err.startswith(f"warning: removed {lock}: a build lock 11 min old, left by a killed build")
