@@ -45,10 +45,14 @@ class Plan:
         self.setup_dir = layout.root / "configs"
 
     def call(self, name: str, config_dir: Path, **assigned: Any) -> StageCall:
-        """A stage call: the preset's fragment (with the run's seed) plus the assigned fields."""
+        """A stage call: the preset's fragment (with the run's seed, and `model.loading` for a
+        stage that loads models) plus the assigned fields."""
         fragment = dict(self.preset.fragment(name) or {})
-        if "seed" in get_stage(name).config_class().model_fields:
+        fields = get_stage(name).config_class().model_fields
+        if "seed" in fields:
             fragment.setdefault("seed", self.preset.seed)
+        if "loading" in fields:
+            fragment.setdefault("loading", self.preset.model.loading.model_dump())
         return StageCall(name, stage_config(name, fragment, self.source, **assigned), config_dir)
 
     # -- the artifacts a run starts from ---------------------------------------------------

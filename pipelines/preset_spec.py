@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rlpipe.cluster.placement import Launch
 from rlpipe.pipelines.keep import Keep
+from rlpipe.stages.common.model_loading import ModelLoading
 
 
 class _Spec(BaseModel):
@@ -61,6 +62,10 @@ class ModelSpec(_Spec):
     """Keep the starting policy (after SFT) as the frozen reference for KL."""
     critic: bool = False
     """Train a critic (PPO): initialised from the starting policy's backbone with a value head."""
+    loading: ModelLoading = ModelLoading()
+    """How every stage loads these models: `trust_remote_code` (run a checkpoint's own modelling
+    code; off: such a checkpoint is refused naming this key) and `attn_implementation` (eager,
+    sdpa, flash_attention_2, ...; None: transformers' default). A stage's own `loading` wins."""
 
 
 class AsyncSpec(_Spec):

@@ -55,6 +55,12 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """Marks a field that says how the work runs, not what it computes (how models are loaded):
+    left out of the cache key, as the device and thread count are."""
+
+
+@dataclass(frozen=True)
 class Assigned:
     """Marks a field the pipeline sets on every call (run name, iteration, worker split), never
     the preset."""
@@ -136,8 +142,9 @@ class StageConfig(BaseModel):
     def cache_dict(self) -> dict[str, Any]:
         """What decides the work, for the cache key: the resolved config without its input and
         output paths (inputs enter the key by content hash; where the output goes changes
-        nothing), so a copied or moved run directory reruns as cache hits."""
-        io = {*self.input_fields(), *self.output_fields()}
+        nothing), so a copied or moved run directory reruns as cache hits, and without its
+        `Runtime` fields."""
+        io = {*self.input_fields(), *self.output_fields(), *_marked(type(self), Runtime)}
         return {k: v for k, v in self.resolved().items() if k not in io}
 
     @classmethod

@@ -45,6 +45,8 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "save_steps": ("keep.checkpoints_every", "the policies a run keeps (every one is written: runs resume)"),
     "save_total_limit": ("keep.checkpoints_every", "which policies a run keeps (keep.best, keep.train_states)"),
     "output_dir": ("--run-dir", "the run directory, an option of `rlpipe run`"),
+    "model_init_kwargs": ("model.loading", "how every stage loads its models: trust_remote_code, "
+                                           "attn_implementation (the dtype: optimize.dtype)"),
 }
 
 

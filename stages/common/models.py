@@ -34,6 +34,7 @@ from typing import Any
 
 from rlpipe.schemas.manifest import MANIFEST_NAME
 from rlpipe.schemas.verify import verify_checkpoint
+from rlpipe.stages.common.model_loading import current
 
 #: How many models the shared cache holds at most (the oldest goes first).
 _MAX_ENTRIES = 4
@@ -48,6 +49,8 @@ class Slot:
     kind: str
     model: Any
     tokenizer: Any
+    loading: Any = None
+    """The `model_loading` setting it was built under (another one builds it again)."""
     how: str = "loaded"
     """How the last `load_model` into the slot got its weights: 'loaded' (built from the
     checkpoint), 'in_place' (copied into the slot's model), 'held' (it held them already),
@@ -58,9 +61,9 @@ class ModelMemory:
     """The models this process keeps between loads and stages (see the module doc)."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[str, str], tuple[Any, Any]] = {}
-        """(checkpoint content key, kind) -> (model, tokenizer): shared, read-only models, at most
-        `_MAX_ENTRIES` (the oldest dropped first)."""
+        self.cache: dict[tuple[str, str, Any], tuple[Any, Any]] = {}
+        """(checkpoint content key, kind, model_loading setting) -> (model, tokenizer): shared,
+        read-only models, at most `_MAX_ENTRIES` (the oldest dropped first)."""
         self.slots: dict[str, Slot] = {}
         """Slot name -> what it holds (see the module doc)."""
         self.tokenizers: dict[str, Any] = {}
@@ -121,17 +124,17 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
     path = Path(path)
     if slot is not None and (delivered := _from_channel(slot, path, kind)) is not None:
         return delivered.model, delivered.tokenizer
-    if cache and pending_manifest(path) is not None and (checkpoint_key(path), kind) in MODELS.cache:
+    if cache and pending_manifest(path) is not None and _cache_key(path, kind) in MODELS.cache:
         # the policy optimize just handed over in memory, its files still being written (handoff.py)
         if slot is not None:
             MODELS.last_load[slot] = "cache"
-        return MODELS.cache[(checkpoint_key(path), kind)]
+        return MODELS.cache[_cache_key(path, kind)]
     if not path.is_dir() and pending_manifest(path) is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
     if not cache:
         return load_checkpoint(path, kind)  # type: ignore[arg-type]
-    key = (checkpoint_key(path), kind)
+    key = _cache_key(path, kind)
     if slot is not None:
         if key in MODELS.cache:  # (the local runner: the checkpoint optimize just saved, from memory)
             MODELS.last_load[slot] = "cache"
@@ -156,7 +159,7 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
     # (weights in place only from safetensors: other formats go through the full load, which
     # refuses pickled ones naming the file)
     in_place = any(Path(path).glob("*.safetensors"))
-    if held is not None and held.kind == kind and held.architecture == arch and in_place:
+    if held is not None and held.kind == kind and held.architecture == arch and in_place and held.loading == current():
         if held.key != key:
             copy_weights(held.model, path)
             held.key, held.how = key, "in_place"
@@ -165,7 +168,7 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
         return held
     slots.pop(slot, None)  # the old model goes before the new one is built
     model, tokenizer = load_checkpoint(path, kind)  # type: ignore[arg-type]
-    held = slots[slot] = Slot(key, arch, kind, model, tokenizer)
+    held = slots[slot] = Slot(key, arch, kind, model, tokenizer, current())
     return held
 
 
@@ -194,7 +197,7 @@ def shared_tokenizer(path: Path | str) -> Any:
     models. Building one costs ~5 ms for a tiny tokenizer, 0.1-1 s for a real model's."""
     from rlpipe.stages.common.tiny import load_tokenizer
 
-    key = architecture(path)
+    key = f"{architecture(path)} trust_remote_code={current().trust_remote_code}"
     if key not in MODELS.tokenizers:
         if len(MODELS.tokenizers) >= _MAX_ENTRIES:
             MODELS.tokenizers.pop(next(iter(MODELS.tokenizers)))
@@ -294,7 +297,12 @@ def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
     cache = MODELS.cache
     if len(cache) >= _MAX_ENTRIES:
         cache.pop(next(iter(cache)))
-    cache[(checkpoint_key(path), kind)] = (model, tokenizer)
+    cache[_cache_key(path, kind)] = (model, tokenizer)
+
+
+def _cache_key(path: Path | str, kind: str) -> tuple[str, str, Any]:
+    """A cached model's key: its checkpoint's content, its kind, and how it was loaded."""
+    return checkpoint_key(path), kind, current()
 
 
 #: What configs call the longest sequence their positions cover (GPT-2: n_positions / n_ctx,

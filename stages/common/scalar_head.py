@@ -188,18 +188,20 @@ def load_scalar_head_model(path: Path | str, kind: HeadKind, *, new_head: HeadIn
         AutoModelForTokenClassification,
     )
 
+    from rlpipe.stages.common.model_loading import from_pretrained_kwargs
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ScalarHeadCheckpointError(f"{path} is not a Hugging Face checkpoint (no config.json)")
     cfg = json.loads((path / "config.json").read_text())
     stored = read_kind(path)
     if isinstance(cfg.get(MARKER), dict):
-        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        backbone = AutoModel.from_pretrained(path, dtype=torch.float32, **from_pretrained_kwargs())
         head = load_file(path / HEAD_FILE)
         return wrap(backbone, cfg[MARKER]["hidden_size"], kind, weight=head["weight"], bias=head.get("bias"))
     if stored in ("critic", "reward"):
         cls = AutoModelForSequenceClassification if stored == "reward" else AutoModelForTokenClassification
-        legacy = cls.from_pretrained(path, dtype=torch.float32)
+        legacy = cls.from_pretrained(path, dtype=torch.float32, **from_pretrained_kwargs())
         if legacy.config.num_labels != 1:
             raise ScalarHeadCheckpointError(
                 f"{path}: a {legacy.config.num_labels}-label {type(legacy).__name__}; a {kind} has exactly 1 label")
@@ -208,7 +210,7 @@ def load_scalar_head_model(path: Path | str, kind: HeadKind, *, new_head: HeadIn
             raise ScalarHeadCheckpointError(f"{path}: {type(legacy).__name__} has no linear `score` head")
         return wrap(legacy.base_model, layer.in_features, kind, weight=layer.weight, bias=layer.bias)
     if stored == "causal" and new_head is not None:
-        backbone, hidden = backbone_of(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        backbone, hidden = backbone_of(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **from_pretrained_kwargs()))
         return wrap(backbone, hidden, kind, init=new_head, seed=seed)
     raise ScalarHeadCheckpointError(
         f"{path} is {'a causal LM' if stored == 'causal' else stored}, not a {kind} checkpoint "

@@ -29,6 +29,7 @@ from rlpipe.schemas.config import StageConfig
 from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.inputs import input_problem
 from rlpipe.schemas.reading import recorded_manifest
+from rlpipe.stages.common.model_loading import loading
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,16 @@ def opens(stage: str, *, extra_inputs: Callable[[Any], Mapping[str, InputRef]] |
           ) -> Callable[[Callable[[C, StageStart], Manifest]], Callable[..., Manifest]]:
     """Decorator: the work `body(config, start)` of `stage` becomes its `run(config, *, force=False)`,
     which opens with `begin` (the arguments, given the config, are begin's) and returns a cache hit
-    without calling the body."""
+    without calling the body; the body runs with the config's `loading` current (model_loading.py)."""
     def wrap(body: Callable[[C, StageStart], Manifest]) -> Callable[..., Manifest]:
         @functools.wraps(body)
         def run(config: C, *, force: bool = False) -> Manifest:
             start = begin(stage, config, force=force,
                           extra_inputs=extra_inputs(config) if extra_inputs else None,
                           key_config=key_config(config) if key_config else None)
-            return start.cached if start.cached is not None else body(config, start)
+            if start.cached is not None:
+                return start.cached
+            with loading(getattr(config, "loading", None)):  # (how its models load: model_loading.py)
+                return body(config, start)
         return run
     return wrap

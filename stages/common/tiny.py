@@ -131,7 +131,8 @@ def make_tiny_checkpoint(out_dir: Path | str, texts: Iterable[str], kind: ModelK
 
 
 def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
-    """Load (model, tokenizer) from a Hugging Face directory, fp32, eval mode.
+    """Load (model, tokenizer) from a Hugging Face directory, fp32, eval mode, as the current
+    `model_loading` setting says (trust_remote_code, attn_implementation).
 
     kind: 'causal' (AutoModelForCausalLM), or 'reward' / 'critic' (a `ScalarHeadModel`: the rlpipe
     format, or a legacy 1-label sequence- / token-classification checkpoint).
@@ -139,6 +140,7 @@ def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlpipe.stages.common.model_loading import from_pretrained_kwargs
     from rlpipe.stages.common.scalar_head import (
         ScalarHeadCheckpointError,
         load_scalar_head_model,
@@ -153,7 +155,7 @@ def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
         if kind == "causal":
             if (stored := read_kind(path)) in ("critic", "reward"):
                 raise ScalarHeadCheckpointError(f"{path} is a {stored} checkpoint (a scalar head), not a causal LM")
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **from_pretrained_kwargs())
         else:
             model = load_scalar_head_model(path, kind)
     except pickle.UnpicklingError:  # torch.load(weights_only=True) refused a pickle: nothing of it ran
@@ -165,17 +167,23 @@ def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
 class UnsafeCheckpoint(UserError):
     """A checkpoint refused for what it holds: weights pickled with code that would run as they
     load, or a model or tokenizer transformers could only build by running the checkpoint's own
-    code (`auto_map`). Nothing of it runs (rlpipe never passes trust_remote_code, and torch loads
-    .bin weights with weights_only); the message names the file."""
+    code (`auto_map`) while `loading.trust_remote_code` is off. Nothing of it runs (torch loads
+    .bin weights with weights_only whatever the knob); the message names the file."""
 
 
 def refuse_code(path: Path) -> None:
     """Refuse a checkpoint whose config.json (or tokenizer_config.json) names code of its own in
-    `auto_map` for an architecture (tokenizer class) transformers does not ship; one it ships
-    loads without that code, as transformers does without trust_remote_code."""
+    `auto_map` for an architecture (tokenizer class) transformers does not ship, unless the
+    current setting trusts remote code; one it ships loads without that code, as transformers
+    does without trust_remote_code."""
     import json
 
     import transformers
+
+    from rlpipe.stages.common.model_loading import current
+
+    if current().trust_remote_code:
+        return
 
     def read(name: str) -> dict:
         try:
@@ -194,9 +202,12 @@ def refuse_code(path: Path) -> None:
 
 def _runs_code(file: Path, what: str, auto_map: dict) -> UnsafeCheckpoint:
     code = ", ".join(str(v) for v in auto_map.values()) if isinstance(auto_map, dict) else str(auto_map)
+    from rlpipe.stages.common.model_loading import TRUST_KNOB
+
     return UnsafeCheckpoint(f"{file}: {what} is not one transformers ships, and its auto_map names code in the "
-                            f"checkpoint ({code}) that would have to run to build it; rlpipe never runs a checkpoint's "
-                            "own code: use a checkpoint of an architecture transformers has (or convert this one)")
+                            f"checkpoint ({code}) that would have to run to build it; nothing of it ran. If you "
+                            f"trust that code, set {TRUST_KNOB}; else use a checkpoint of an architecture "
+                            "transformers has")
 
 
 def pickled_code(path: Path) -> UnsafeCheckpoint:
@@ -224,7 +235,10 @@ def load_tokenizer(path: Path | str):
     pad id's value never reaches a loss). Logged once per checkpoint."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    from rlpipe.stages.common.model_loading import current
+
+    trust = {"trust_remote_code": True} if current().trust_remote_code else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **trust)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"the tokenizer of {path} has neither a pad nor an eos token: set "

@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, Runtime, StageConfig
+from rlpipe.stages.common.model_loading import ModelLoading
 from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
@@ -25,6 +26,9 @@ class EvaluateConfig(StageConfig):
     """Held-out `prompts` artifact; every row needs an answer."""
     output: Annotated[Path, Output("metrics")]
     """Output `metrics` artifact directory (eval rollouts/scores go in subdirectories of it)."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     run: Annotated[str, Assigned()] = "run"
     """Run name recorded in the rows."""
     iteration: Annotated[int, Assigned()] = Field(0, ge=0)

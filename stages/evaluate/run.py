@@ -45,10 +45,11 @@ def run(config: EvaluateConfig, start: StageStart) -> Manifest:
         engine=config.engine, group_size=1, temperature=0.0, max_new_tokens=config.max_new_tokens,
         batch_size=config.batch_size, groups_per_shard=1 << 20, seed=config.seed, stop=config.stop,
         environment=config.environment, chat_template=config.chat_template, system_prompt=config.system_prompt,
+        loading=config.loading,
     )
     score_cfg = ScoreConfig(
         rollouts=rollout_cfg.output, output=config.output / "scores",
-        components=[AnswerMatchComponent(name="answer_match", mode=config.match)],
+        components=[AnswerMatchComponent(name="answer_match", mode=config.match)], loading=config.loading,
     )
     rolled = rollout(rollout_cfg, force=start.force)
     score(score_cfg, force=start.force)

@@ -12,12 +12,14 @@ from rlpipe.schemas.config import (
     ImportRef,
     Input,
     Output,
+    Runtime,
     StageConfig,
     Variant,
     name_shorthand,
 )
 from rlpipe.stages.advantage.config import KLEstimator
 from rlpipe.stages.common import LOGPROB_CHUNK_TOKENS
+from rlpipe.stages.common.model_loading import ModelLoading
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,6 +148,9 @@ class OptimizeConfig(StageConfig):
     LM whose backbone gets a new scalar head (scalar_head.py). None: no critic is trained."""
     output: Annotated[Path, Output("checkpoint")]
     """Where the new policy checkpoint goes (its `_manifest.json` is written last of all)."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     train_state: Annotated[Path | None, Input("train_state")] = None
     """The last saved `train_state` artifact to continue from (optimizer moments, fp32 masters, LR
     schedule, global step, RNG); None: a fresh AdamW at global step 0."""

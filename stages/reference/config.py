@@ -7,8 +7,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import Input, Output
+from rlpipe.schemas.config import Input, Output, Runtime
 from rlpipe.schemas.sharded import ShardedConfig
+from rlpipe.stages.common.model_loading import ModelLoading
 
 
 class ReferenceConfig(ShardedConfig):
@@ -18,6 +19,9 @@ class ReferenceConfig(ShardedConfig):
     """Input rollouts artifact."""
     output: Annotated[Path, Output("reference")]
     """Output reference artifact directory (one shard per rollouts shard, same index)."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     reference_model: Annotated[Path | None, Input("checkpoint")] = None
     """Frozen reference checkpoint (causal LM, Hugging Face format) for `ref_logprobs`."""
     critic: Annotated[Path | None, Input("checkpoint")] = None

@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, Runtime, StageConfig
+from rlpipe.stages.common.model_loading import ModelLoading
 
 
 class RewardModelConfig(StageConfig):
@@ -20,6 +21,9 @@ class RewardModelConfig(StageConfig):
     initialised from `seed`) or a 1-label sequence-classification model."""
     output: Annotated[Path, Output("checkpoint")]
     """Directory of the trained reward-model checkpoint (Hugging Face format + `_manifest.json`)."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     metrics_output: Annotated[Path | None, Output("metrics")] = None
     """Output `metrics` artifact (loss per step, held-out accuracy, reward mean/std);
     default: `<output>_metrics` beside the checkpoint."""

@@ -8,8 +8,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import Assigned, Input, Output
+from rlpipe.schemas.config import Assigned, Input, Output, Runtime
 from rlpipe.schemas.sharded import ShardedConfig
+from rlpipe.stages.common.model_loading import ModelLoading
 from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
@@ -27,6 +28,9 @@ class RolloutConfig(ShardedConfig):
     """Input prompts artifact (schema `prompts`)."""
     output: Annotated[Path, Output("rollouts")]
     """Output rollouts artifact directory."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     run: Annotated[str, Assigned()] = "run"
     """Run name recorded in every row."""
     iteration: Annotated[int, Assigned()] = Field(0, ge=0)

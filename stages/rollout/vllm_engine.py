@@ -249,6 +249,7 @@ class VLLMEngine:
         from rlpipe.schemas.pending import wait_until_written
         from rlpipe.stages.common import shared_weights
         from rlpipe.stages.common.channel_end import CHANNEL
+        from rlpipe.stages.common.model_loading import current as current_loading
         from rlpipe.stages.common.models import architecture, checkpoint_key, context_length
 
         self.checkpoint = Path(checkpoint)
@@ -263,14 +264,15 @@ class VLLMEngine:
             wait_until_written(self.checkpoint)
             self.source = self.checkpoint
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.source)
+        self.trust_remote_code = trust = current_loading().trust_remote_code  # (attn_implementation: transformers')
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source, **({"trust_remote_code": True} if trust else {}))
         model_cfg = json.loads((self.source / "config.json").read_text())
         # vLLM assumes 2048 tokens when config.json names no context length (ALiBi: Bloom).
         self.context_length = int(config.max_model_len or context_length(model_cfg) or 2048)
         self._check_head_dim(model_cfg)
         c = config
         self._key = (architecture(self.source), c.dtype, c.max_model_len, c.tensor_parallel_size,
-                     c.gpu_memory_utilization, c.seed)
+                     c.gpu_memory_utilization, c.seed, trust)
         self._weights = checkpoint_key(self.checkpoint)
 
     def _check_head_dim(self, model_cfg: dict[str, Any]) -> None:
@@ -326,7 +328,7 @@ class VLLMEngine:
             # CPU: no graphs to capture, and compiling costs minutes; GPU: CUDA graphs pay off.
             enforce_eager=cpu, seed=c.seed, logprobs_mode="raw_logprobs",
             distributed_executor_backend="uni" if tp == 1 else None,
-            worker_extension_cls=f"{__name__}.{CheckpointLoader.__qualname__}",
+            worker_extension_cls=f"{__name__}.{CheckpointLoader.__qualname__}", trust_remote_code=self.trust_remote_code,
             **({"enable_sleep_mode": True} if sleep_mode else {}), **cpu_knobs,
         )
         LIVE.current = _Live(self._key, llm, self._weights, sleep_mode)

@@ -8,8 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlpipe.schemas.config import ImportRef, Input, Output
+from rlpipe.schemas.config import ImportRef, Input, Output, Runtime
 from rlpipe.schemas.sharded import ShardedConfig
+from rlpipe.stages.common.model_loading import ModelLoading
 
 
 class _Component(BaseModel):
@@ -163,6 +164,9 @@ class ScoreConfig(ShardedConfig):
     """Input `rollouts` artifact."""
     output: Annotated[Path, Output("scores")]
     """Output `scores` artifact (one shard per rollouts shard, same index)."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     components: list[Component] = Field(min_length=1)
     """Reward components, each {name, type, weight, ...}; type: reward_model | answer_match |
     regex_format | overlong | python | environment. On episodes (multi-turn rollouts) answer_match

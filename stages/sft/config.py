@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from rlpipe.schemas.config import Assigned, Input, Output, StageConfig
+from rlpipe.schemas.config import Assigned, Input, Output, Runtime, StageConfig
+from rlpipe.stages.common.model_loading import ModelLoading
 from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
@@ -23,6 +24,9 @@ class SFTConfig(StageConfig):
     null are plain text (the prompt column) and train on every token."""
     output: Annotated[Path, Output("checkpoint")]
     """Where to write the fine-tuned checkpoint (model + tokenizer + _manifest.json)."""
+    loading: Annotated[ModelLoading, Runtime()] = ModelLoading()
+    """How the stage loads its models (trust_remote_code, attn_implementation); in a preset,
+    `model.loading` sets it for every stage. Not part of the cache key."""
     metrics_output: Annotated[Path | None, Output("metrics")] = None
     """Where to write the `metrics` artifact (loss per step); None: `<output>_metrics` beside it."""
     loss_on: Literal["answer", "all"] = "answer"
