@@ -15,41 +15,15 @@ An existing local path always wins over an id that happens to look the same.
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from rlpipe.schemas.atomic import write_if_changed
-from rlpipe.schemas.errors import UserError
+from rlpipe.schemas.inputs import hub_reference
+from rlpipe.stages.common.hub import HubModel, resolve
 
 #: The preset keys that name a model (a checkpoint directory, or a Hub id).
 MODEL_KEYS = ("base", "reward_model")
-
-#: org/name, as the Hub spells repository ids (no leading '.', no '..'), with an optional @revision.
-_HUB_ID = re.compile(r"^(?P<id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
-
-
-@dataclass(frozen=True)
-class HubModel:
-    """What one id resolved to."""
-
-    id: str
-    """The repository id, org/name."""
-    revision: str
-    """The revision asked for (a branch, tag or commit; `main` when none was given)."""
-    commit: str
-    """The commit it resolved to: what a rerun reads."""
-    path: str
-    """The snapshot folder in the Hub cache."""
-
-
-def hub_reference(value: Path | str) -> tuple[str, str] | None:
-    """(id, revision) when `value` is no local path and reads as org/name[@revision]; else None."""
-    text = str(value)
-    if Path(text).exists():
-        return None
-    m = _HUB_ID.match(text)
-    return (m["id"], m["revision"] or "main") if m else None
 
 
 def resolve_models(model: dict[str, object], record_file: Path) -> tuple[dict[str, object], dict[str, HubModel]]:
@@ -66,7 +40,7 @@ def resolve_models(model: dict[str, object], record_file: Path) -> tuple[dict[st
         repo_id, revision = ref
         pinned = recorded.get(key)
         same = pinned is not None and (pinned.id, pinned.revision) == (repo_id, revision)
-        hub = _resolve(f"model.{key}", repo_id, revision, commit=pinned.commit if same else None)
+        hub = resolve(f"model.{key}", repo_id, revision, commit=pinned.commit if same else None)
         resolved[key], out[key] = Path(hub.path), hub
     return resolved, out
 
@@ -76,31 +50,6 @@ def write_record(record_file: Path, models: dict[str, HubModel]) -> None:
     if models:
         data = {f"model.{key}": asdict(hub) for key, hub in models.items()}
         write_if_changed(record_file, (json.dumps(data, indent=2) + "\n").encode())
-
-
-def _resolve(key: str, repo_id: str, revision: str, commit: str | None) -> HubModel:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    try:
-        folder = Path(snapshot_download(repo_id, revision=commit or revision))
-    except LocalEntryNotFoundError:
-        raise UserError(f"{key}: {repo_id} is neither a directory here nor in the Hugging Face cache, and the Hub "
-                        "cannot be reached (offline: HF_HUB_OFFLINE, or no network): give a checkpoint directory "
-                        "(`rlpipe model import FILE.gguf DIR` makes one from a GGUF file), or download the model where the Hub is reachable (`hf download` fills the same cache)") from None
-    except RevisionNotFoundError:
-        raise UserError(f"{key}: the model {repo_id} on the Hugging Face Hub has no revision {commit or revision!r}: "
-                        "give a branch, tag or commit it has") from None
-    except (RepositoryNotFoundError, GatedRepoError) as e:
-        raise UserError(f"{key}: {repo_id} is neither a directory here nor a model on the Hugging Face Hub that "
-                        f"this machine may read ({type(e).__name__}): give a checkpoint directory, or an org/name "
-                        "id (logged in with `hf auth login` for a gated or private one)") from None
-    return HubModel(repo_id, revision, folder.name, str(folder))
 
 
 def _read(record_file: Path) -> dict[str, HubModel]:

@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from rlpipe.schemas.errors import UserError
+from rlpipe.schemas.inputs import hub_reference
 
 
 @dataclass(frozen=True)
@@ -410,7 +411,9 @@ def _load_config(cls: type[C], path: Path | str | None, overrides: Sequence[str]
         came_from_file = written is not None and str(written) == str(value) and _at(data, loc) == written
         if not came_from_file or value.is_absolute():
             return value
-        return Path(os.path.normpath(folder / value))
+        rebased = Path(os.path.normpath(folder / value))
+        # a Hub id written in the file (org/name[@revision]) stays one unless the folder has it
+        return value if not rebased.exists() and hub_reference(value) is not None else rebased
 
     # Validate again: checks that compare paths (an output apart from the inputs) see the real ones.
     return parse_config(cls, map_paths(config, rebase).model_dump(), source)

@@ -5,12 +5,26 @@ what to do."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from rlpipe.schemas.manifest import MANIFEST_NAME
 
 #: Files of which at least one marks a saved Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+#: org/name, as the Hub spells repository ids (no leading '.', no '..'), with an optional @revision.
+HUB_ID = re.compile(r"^(?P<id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
+
+
+def hub_reference(value: Path | str) -> tuple[str, str] | None:
+    """(id, revision) when `value` is no local path and reads as org/name[@revision]; else None."""
+    text = str(value)
+    if Path(text).exists():
+        return None
+    m = HUB_ID.match(text)
+    return (m["id"], m["revision"] or "main") if m else None
 
 
 def input_problem(path: Path | str, kind: str) -> str | None:

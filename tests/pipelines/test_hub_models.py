@@ -102,3 +102,30 @@ def test_an_id_neither_here_nor_in_the_cache_is_one_error_naming_both(tmp_path, 
     assert code == 2, out
     assert_user_error(out, "model.base", REPO)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stage_run_alone_takes_a_hub_id_for_its_checkpoint(tmp_path, hub_cache):
+    """`rlpipe stage rollout checkpoint=org/name@v2` (and the same id in its YAML file) reads that
+    revision's snapshot, says which commit, and its manifest records the snapshot it read."""
+    from rlpipe.schemas import read_manifest
+
+    repo, commits = hub_cache
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    assert cli("data", "import", tmp_path / "p.jsonl", tmp_path / "prompts")[0] == 0
+    common = [f"prompts={tmp_path / 'prompts'}", "max_new_tokens=2", "group_size=2"]
+    code, out = cli("stage", "rollout", f"checkpoint={REPO}@v2", f"output={tmp_path / 'r'}", *common)
+    assert code == 0, out
+    assert f"checkpoint: {REPO} at v2 is commit {commits['v2']}" in out
+    snapshot = str(repo / "snapshots" / commits["v2"])
+    assert read_manifest(tmp_path / "r").inputs["checkpoint"].path == snapshot
+    # the same id written in a config file (relative paths there are the file's folder's, not an id's)
+    (tmp_path / "rollout.yaml").write_text(yaml.safe_dump({"checkpoint": f"{REPO}@v2"}))
+    code, out = cli("stage", "rollout", "-c", tmp_path / "rollout.yaml", f"output={tmp_path / 'r2'}", *common)
+    assert code == 0, out
+    assert read_manifest(tmp_path / "r2").inputs["checkpoint"].path == snapshot
+    assert read_manifest(tmp_path / "r2").content_hash == read_manifest(tmp_path / "r").content_hash
+    # neither a directory nor in the cache: one error naming the knob, the id, and both places
+    code, out = cli("stage", "rollout", "checkpoint=rlpipe-test/no-such-model", f"output={tmp_path / 'r3'}", *common)
+    assert code == 2, out
+    assert_user_error(out, "checkpoint: rlpipe-test/no-such-model is neither a directory here nor in the Hugging "
+                      "Face cache")
