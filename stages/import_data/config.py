@@ -16,8 +16,10 @@ ONLY_FOR = {"prompts": ("chosen", "rejected", "margin"), "preferences": ("messag
 class ImportDataConfig(StageConfig):
     """Import prompts or preference pairs from a JSONL, CSV or Parquet file, or a directory saved
     with `datasets.Dataset.save_to_disk`, into an artifact. Columns are found by their usual names
-    (prompt, messages, answer, prompt_id / pair_id / id, chosen, rejected, margin) or named here;
-    every other column of a prompt is kept in its `metadata` JSON. Rows with a repeated id, an
+    (prompt, messages, answer or completion, prompt_id / pair_id / id, chosen, rejected, margin) or
+    named here; every other column of a prompt is kept in its `metadata` JSON. TRL's dataset types
+    are taken as they are: prompt-only, prompt-completion and preference (explicit or implicit
+    prompt), standard or conversational (stages/import_data/rows.py). Rows with a repeated id, an
     empty prompt or text that is not UTF-8 are refused, with their line / row numbers."""
 
     source: Annotated[Path, Input("file")]
@@ -31,12 +33,15 @@ class ImportDataConfig(StageConfig):
     split: str | None = None
     """A `datasets` directory holding several splits (a DatasetDict): the split to import."""
     prompt: str | None = None
-    """Column with the prompt text (default: 'prompt' when the source has it)."""
+    """Column with the prompt text, or its chat turns (TRL's conversational prompt) (default:
+    'prompt' when the source has it). Preferences without one: the implicit prompt, the beginning
+    chosen and rejected share."""
     messages: str | None = None
     """Prompts only: column with the prompt as chat turns, a list of {role, content} objects or a
     JSON string of one (default: 'messages' when the source has it)."""
     answer: str | None = None
-    """Prompts only: column with the reference answer (default: 'answer' when present)."""
+    """Prompts only: column with the reference answer (default: 'answer', else TRL's 'completion',
+    when present; a conversational completion is its one assistant turn)."""
     id: str | None = None
     """Column with unique row ids (default: 'prompt_id' / 'pair_id', else 'id', when present).
     Without one, ids are generated from each row's content (see `rows.content_id`)."""

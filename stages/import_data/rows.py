@@ -1,6 +1,17 @@
 """Mapping a source's columns onto the `prompts` / `preferences` schemas, with the checks that
 make a bad row an error naming the file, the column and the rows.
 
+TRL's dataset types are taken as they are (https://huggingface.co/docs/trl/dataset_formats),
+standard (text) or conversational (lists of {role, content} turns):
+- prompt-only: `prompt` (a chat when it holds turns: the prompt's messages, rendered by the
+  rollout through the model's chat template);
+- prompt-completion: `completion` is the reference answer (SFT trains on it) unless the source has
+  an `answer` column; a conversational completion is its one assistant turn;
+- preference: `prompt`, `chosen`, `rejected`; conversational ones hold turns, of which the prompt's
+  last user turn is the pair's prompt text and each response's one assistant turn its text (the
+  texts a reward model is trained on and scores rollouts with); implicit prompt (no `prompt`
+  column): the pair's shared beginning is its prompt, as TRL's `extract_prompt` cuts it.
+
 Ids: a source without an id column gets ids generated from each row's content (`content_id`): a
 hash of the imported row, not its row number, so a prompt keeps its id when rows are added,
 removed or reordered (its rollouts, scores and evaluations stay comparable across versions of
@@ -24,7 +35,7 @@ from rlpipe.stages.import_data.sources import DataImportError, Source, not_utf8
 
 #: Default column names, tried in order when the config names none.
 DEFAULTS = {
-    "prompt": ("prompt",), "messages": ("messages",), "answer": ("answer",),
+    "prompt": ("prompt",), "messages": ("messages",), "answer": ("answer", "completion"),
     "chosen": ("chosen",), "rejected": ("rejected",), "margin": ("margin",),
 }
 ID_DEFAULTS = {"prompts": ("prompt_id", "id"), "preferences": ("pair_id", "id")}
@@ -50,7 +61,8 @@ def mapping(config: ImportDataConfig, source: Source) -> dict[str, str | None]:
         else:
             defaults = ID_DEFAULTS[config.kind] if role == "id" else DEFAULTS[role]
             out[role] = next((c for c in defaults if c in source.columns), None)
-    needed = [("prompt", "messages")] if config.kind == "prompts" else [("prompt",), ("chosen",), ("rejected",)]
+    # (preferences without a prompt column: TRL's implicit prompt, the pair's shared beginning)
+    needed = [("prompt", "messages")] if config.kind == "prompts" else [("chosen",), ("rejected",)]
     for options in needed:
         if all(out.get(r) is None for r in options):
             flags = " or ".join(f"--{r} COL" for r in options)
@@ -98,6 +110,49 @@ def _messages(v: Any) -> list[dict[str, str]] | None | str:
     return [{"role": t["role"], "content": t["content"]} for t in v]
 
 
+class Problem(str):
+    """Why a value cannot be imported (said with its column and rows)."""
+
+
+def _answer(v: Any) -> str | None | Problem:
+    """A reference answer as text: a conversational completion (TRL) is its one assistant turn."""
+    if isinstance(v, list):
+        turns = _messages(v)
+        if isinstance(turns, str) or len(turns) != 1 or turns[0]["role"] != "assistant":
+            return Problem("is not one assistant turn")
+        return turns[0]["content"]
+    return _scalar_text(v)
+
+
+def _pair(prompt: Any, chosen: Any, rejected: Any) -> tuple[str, str, str] | Problem:
+    """(prompt, chosen, rejected) texts of a preference row in any of TRL's forms: standard or
+    conversational, explicit or implicit prompt (None: the pair's shared beginning)."""
+    if isinstance(chosen, list) or isinstance(rejected, list) or isinstance(prompt, list):
+        turns = [_messages(v) if v is not None else [] for v in (prompt, chosen, rejected)]
+        if any(isinstance(t, str) for t in turns):
+            return Problem("hold something that is not a list of {role, content} turns")
+        context, good, bad = turns
+        if prompt is None:  # implicit: the turns both conversations begin with
+            shared = 0
+            while shared < min(len(good), len(bad)) and good[shared] == bad[shared]:
+                shared += 1
+            context, good, bad = good[:shared], good[shared:], bad[shared:]
+        users = [t["content"] for t in context if t["role"] == "user"]
+        if not users:
+            return Problem("have no user turn before the responses (nothing to ask)")
+        if any(len(t) != 1 or t[0]["role"] != "assistant" for t in (good, bad)):
+            return Problem("do not end in one assistant turn each (the chosen and the rejected response)")
+        return users[-1], good[0]["content"], bad[0]["content"]
+    if not all(isinstance(v, str) for v in (chosen, rejected)) or (prompt is not None and not isinstance(prompt, str)):
+        return Problem("are missing or not text")
+    if prompt is None:  # TRL's extract_prompt: up to the first difference, a space before it included
+        cut = next((i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b), min(len(chosen), len(rejected)))
+        if cut > 0 and chosen[cut - 1] == " ":
+            cut -= 1
+        return chosen[:cut], chosen[cut:], rejected[cut:]
+    return prompt, chosen, rejected
+
+
 def _metadata(row: dict[str, Any], extra: list[str]) -> str | None:
     """The row's unmapped columns as one JSON object; a 'metadata' column holding an object (or
     its JSON text) is merged in at the top level."""
@@ -133,6 +188,9 @@ def build_table(config: ImportDataConfig, source: Source) -> tuple[dict[str, lis
         return [r.get(cols[role]) for r in rows] if cols[role] is not None else [None] * len(rows)
 
     if config.kind == "prompts":
+        if cols["messages"] is None and cols["prompt"] is not None and any(
+                isinstance(r.get(cols["prompt"]), list) for r in rows):  # TRL's conversational prompt
+            cols["messages"], cols["prompt"] = cols["prompt"], None
         messages_raw = take("messages")
         if cols["messages"] is not None:
             check.column(cols["messages"], messages_raw, lambda v: isinstance(_messages(v), str),
@@ -150,19 +208,28 @@ def build_table(config: ImportDataConfig, source: Source) -> tuple[dict[str, lis
             raise DataImportError(f"{source.path}: column {where!r} is empty (nothing to ask) at "
                                   f"{source.where(empty)}: remove those rows or fill them in")
         extra = [c for c in source.columns if c not in mapped]
-        table = {"prompt": [p or "" for p in prompts], "answer": [_scalar_text(a) for a in take("answer")],
+        answers = take("answer")
+        if cols["answer"] is not None:
+            check.column(cols["answer"], answers, lambda v: isinstance(_answer(v), Problem),
+                         "holds chat turns that are not one assistant turn (a conversational completion is one)")
+        table = {"prompt": [p or "" for p in prompts], "answer": [_answer(a) for a in answers],
                  "metadata": [_metadata(r, extra) for r in rows], "messages": messages}
         id_name = "prompt_id"
     else:
         extra = [c for c in source.columns if c not in mapped]
-        for role in ("prompt", "chosen", "rejected"):
-            check.column(cols[role], take(role), lambda v: not isinstance(v, str), "is missing or not text")
-        check.column(cols["prompt"], take("prompt"), lambda v: not v.strip(), "is empty (nothing to ask)")
+        pairs = [_pair(p, c, r) for p, c, r in zip(take("prompt"), take("chosen"), take("rejected"), strict=True)]
+        bad = [i for i, pair in enumerate(pairs) if isinstance(pair, Problem)]
+        if bad:
+            named = ", ".join(repr(cols[r]) for r in ("prompt", "chosen", "rejected") if cols[r] is not None)
+            raise DataImportError(f"{source.path}: columns {named} {pairs[bad[0]]} at {source.where(bad)}")
+        prompts = [pair[0] for pair in pairs]
+        check.column(cols["prompt"] or cols["chosen"], prompts, lambda v: not v.strip(),
+                     "is empty (nothing to ask)" if cols["prompt"] else "share no beginning (no implicit prompt)")
         margins = take("margin")
         if cols["margin"] is not None:
             check.column(cols["margin"], margins, lambda v: v not in (None, "") and not _finite(v),
                          "is not a finite number")
-        table = {"prompt": take("prompt"), "chosen": take("chosen"), "rejected": take("rejected"),
+        table = {"prompt": prompts, "chosen": [pair[1] for pair in pairs], "rejected": [pair[2] for pair in pairs],
                  "margin": [float(m) if m not in (None, "") else None for m in margins]}
         id_name = "pair_id"
 
