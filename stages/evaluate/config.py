@@ -44,8 +44,9 @@ class EvaluateConfig(StageConfig):
     """Apply the tokenizer's chat template to every prompt (as rollout.chat_template)."""
     system_prompt: str | None = None
     """A system turn put first in every templated prompt (as rollout.system_prompt)."""
-    match: Literal["exact", "numeric"] = "exact"
-    """answer_match mode: 'exact' (normalised string equality) or 'numeric' (last number)."""
+    match: Literal["exact", "numeric", "math"] = "exact"
+    """answer_match mode: 'exact' (normalised string equality), 'numeric' (last number) or 'math'
+    (LaTeX answers through math-verify; the `math` extra)."""
     engine: Literal["transformers", "vllm"] = "transformers"
     """Generation engine of the rollout stage."""
     batch_size: int = Field(256, ge=1)

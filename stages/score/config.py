@@ -42,10 +42,12 @@ class AnswerMatchComponent(_Component):
     episode's answer is in its last model turn)."""
 
     type: Literal["answer_match"] = "answer_match"
-    mode: Literal["exact", "numeric"] = "numeric"
+    mode: Literal["exact", "numeric", "math"] = "numeric"
     """'exact': equal strings after normalisation (trim, casefold, collapse whitespace, drop a
     trailing period); 'numeric': equal numbers (commas dropped, fractions a/b allowed) within the
-    tolerances."""
+    tolerances; 'math': the response's LaTeX answer (`\\boxed{}` first) mathematically equal to the
+    reference (`\\frac{1}{2}`, `0.5`, `x^2+1`), by math-verify as TRL's accuracy reward uses it
+    (the `math` extra; its own tolerances, not rel_tol / abs_tol)."""
     pattern: str | None = None
     """Regex with one capture group locating the answer in the response (last match wins).
     Default: 'numeric' takes the last number in the response; 'exact' the text after the last
@@ -67,6 +69,15 @@ class AnswerMatchComponent(_Component):
                 raise ValueError(f"not a valid regex: {e}") from None
             if groups != 1:
                 raise ValueError(f"needs exactly one capture group, has {groups}")
+        return v
+
+    @field_validator("mode")
+    @classmethod
+    def _package_for(cls, v: str) -> str:
+        from rlpipe.stages.score.verifiers import math_verify_missing
+
+        if v == "math" and (missing := math_verify_missing()) is not None:
+            raise ValueError(missing)
         return v
 
 

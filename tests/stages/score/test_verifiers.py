@@ -90,3 +90,42 @@ def test_regex_format_golden():
 def test_combine_golden():
     # R = 2 * [1, 0] + (-0.5) * [0.4, 2] = [1.8, -1.0]
     np.testing.assert_allclose(combine([2.0, -0.5], [np.array([1.0, 0.0]), np.array([0.4, 2.0])]), [1.8, -1.0])
+
+
+# 'math': LaTeX answers through math-verify, read as TRL's accuracy reward reads them.
+@pytest.mark.parametrize(("response", "answer", "expected"), [
+    (r"So $x = \boxed{\frac{1}{2}}$.", "0.5", 1.0),  # a fraction equal to a decimal
+    (r"\boxed{\frac{1}{3}}", "0.5", 0.0),
+    (r"The result is $\boxed{1+x^2}$", "x^2+1", 1.0),  # symbolic equality; a bare LaTeX reference
+    (r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}", 1.0),
+    (r"\boxed{7}", "$7$", 1.0),
+    ("the answer is 7", "7", 0.0),  # no LaTeX answer in the response: TRL's extraction is anchored
+    (r"\boxed{3} or \boxed{4}", "4", 0.0),  # the first boxed answer is the answer
+])
+def test_math_mode_golden(response, answer, expected):
+    assert answer_match(response, answer, "math") == expected
+
+
+def test_math_mode_in_another_thread_and_a_reference_without_math():
+    import threading
+
+    # (math-verify's timeouts are SIGALRM, main thread only: a Prefect task's thread runs without them)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(answer_match(r"\boxed{\frac{1}{2}}", "0.5", "math")))
+    worker.start()
+    worker.join()
+    assert out == [1.0]
+    with pytest.raises(ValueError, match=r"reference answer 'see the figure' holds no expression math-verify can parse"):
+        answer_match(r"\boxed{1}", "see the figure", "math")
+
+
+def test_math_mode_without_its_package_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    from rlpipe.schemas.config import ConfigError, parse_config
+    from rlpipe.stages.score.config import AnswerMatchComponent
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"mode 'math' needs the math-verify package: pip install 'rlpipe\[math\]'"):
+        parse_config(AnswerMatchComponent, {"name": "acc", "mode": "math"})
