@@ -180,7 +180,7 @@ def stage_flow(name: str, config: dict | None = None, force: bool = False, confi
     from rlpipe.cluster.processes import ProcessLauncher
     from rlpipe.schemas.config import load_config
     from rlpipe.stages import stage_config
-    from rlpipe.stages.common.hub import resolve_checkpoint_inputs
+    from rlpipe.stages.common.hub import resolve_hub_inputs
 
     if worker_group is not None:
         from rlpipe.flows.pools import serve_group
@@ -190,7 +190,7 @@ def stage_flow(name: str, config: dict | None = None, force: bool = False, confi
         call = StageCall(name, load_config(get_stage(name).config_class(), config_file), Path(config_file).parent)
     else:
         call = StageCall(name, stage_config(name, config, "flow parameter"), Path.cwd())
-    call = StageCall(name, resolve_checkpoint_inputs(call.config), call.config_dir)  # (Hub ids: their snapshots)
+    call = StageCall(name, resolve_hub_inputs(call.config), call.config_dir)  # (Hub ids: their snapshots)
     launcher = ProcessLauncher(Launch(launcher="processes", stages={name: placement})) if placement else run_in_process
     manifest = stage_task.with_options(name=name, retries=get_stage(name).retries)(call, launcher, force=force)
     return {"stage": name, "content_hash": manifest.content_hash, "rows": manifest.rows}

@@ -14,7 +14,8 @@ data_app = typer.Typer(help="Bring your own data: import files as artifacts.", n
 
 @data_app.command("import")
 def data_import(
-    source: Annotated[Path, typer.Argument(help="A .jsonl/.json, .csv/.tsv or .parquet file, or a `datasets` directory.")],
+    source: Annotated[Path, typer.Argument(help="A .jsonl/.json, .csv/.tsv or .parquet file, a `datasets` directory, a "
+                                                "folder of data files, or a Hub dataset id org/name[@revision].")],
     output: Annotated[Path, typer.Argument(help="The artifact directory to write.")],
     kind: Annotated[str, typer.Option(help="What the rows are: prompts or preferences (chosen/rejected pairs).")] = "prompts",
     prompt: Annotated[str | None, typer.Option(help="Column with the prompt text (default: prompt).")] = None,
@@ -24,7 +25,10 @@ def data_import(
     chosen: Annotated[str | None, typer.Option(help="Preferences: column with the preferred response (default: chosen).")] = None,
     rejected: Annotated[str | None, typer.Option(help="Preferences: column with the dispreferred response (default: rejected).")] = None,
     margin: Annotated[str | None, typer.Option(help="Preferences: column with a per-pair margin (default: margin).")] = None,
-    split: Annotated[str | None, typer.Option(help="The split of a `datasets` directory holding several.")] = None,
+    split: Annotated[str | None, typer.Option(help="The split of a `datasets` directory or Hub dataset holding several "
+                                                   "(default: the only one, else train).")] = None,
+    data_files: Annotated[list[str] | None, typer.Option("--data-files", help="A data folder or Hub dataset: the files "
+                                                         "to read (a glob; repeat for several).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Import again even if the artifact is up to date.")] = False,
 ) -> None:
     """Import prompts or preference pairs as an artifact; other columns of a prompt go to its metadata.
@@ -33,21 +37,25 @@ def data_import(
     row numbers. The same as `rlpipe stage import_data source=SRC prompts=OUT ...`.
     """
     from rlpipe.schemas.config import ConfigError, parse_config
+    from rlpipe.schemas.errors import UserError
     from rlpipe.stages import get_stage
+    from rlpipe.stages.common.hub import resolve_hub_inputs
     from rlpipe.stages.import_data.sources import DataImportError
 
     if kind not in ("prompts", "preferences"):
         raise fail(f"--kind must be prompts or preferences, got {kind!r}", 2)
     mapping = {k: v for k, v in dict(prompt=prompt, messages=messages, answer=answer, id=id, chosen=chosen,
-                                     rejected=rejected, margin=margin, split=split).items() if v is not None}
+                                     rejected=rejected, margin=margin, split=split,
+                                     data_files=data_files[0] if data_files and len(data_files) == 1 else data_files,
+                                     ).items() if v is not None}
     stage = get_stage("import_data")
     try:
         config = parse_config(stage.config_class(), {"source": source, kind: output, **mapping}, "rlpipe data import")
-        m = stage.run(config, force=force)
+        m = stage.run(resolve_hub_inputs(config), force=force)  # (a Hub dataset id: its snapshot)
     except ConfigError as e:
         raise fail(str(e), 2) from None
-    except DataImportError as e:  # a user mistake in the file, like a bad option: exit code 2
-        raise fail(str(e), 2) from None
+    except (DataImportError, UserError) as e:  # a user mistake in the file, like a bad option: exit code 2
+        raise failed(e, False) from None
     extra = m.extra
     kept = extra.get("metadata_columns") or extra.get("ignored_columns") or []
     kept_what = "metadata" if kind == "prompts" else "ignored"

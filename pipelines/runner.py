@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from rlpipe.pipelines.hub_models import resolve_models, write_record
+from rlpipe.pipelines.hub_models import resolve_ids, write_record
 from rlpipe.pipelines.keep import prune_run
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.lock import run_lock
@@ -74,9 +74,12 @@ class Pipeline:
                  log: Callable[[str], None] | None = None):
         self.preset = preset
         self.layout = RunLayout(Path(run_dir) if run_dir is not None else Path("runs") / preset.name)
-        # (models named by Hub id run from their snapshot folders; the preset saved keeps the ids)
-        model, self.hub_models = resolve_models(dict(preset.model), self.layout.hub_record)
-        planned = preset.model_copy(update={"model": preset.model.model_copy(update=model)})
+        # (models and data named by Hub id run from their snapshot folders; the preset saved keeps the ids)
+        model, hub_models = resolve_ids("model", dict(preset.model), self.layout.hub_record)
+        data, hub_data = resolve_ids("data", dict(preset.data), self.layout.hub_record)
+        self.hub_ids = {**hub_models, **hub_data}
+        planned = preset.model_copy(update={"model": preset.model.model_copy(update=model),
+                                            "data": preset.data.model_copy(update=data)})
         self.plan = Plan(planned, self.layout, str(self.layout.preset_file))
         from rlpipe.cluster.launchers import launcher_for
 
@@ -198,9 +201,9 @@ class Pipeline:
                     f"pass another run directory (--run-dir DIR) or delete {L.root} to start over"
                 )
         write_if_changed(L.preset_file, yaml.safe_dump(preset, sort_keys=False).encode())
-        write_record(L.hub_record, self.hub_models)
-        for key, hub in self.hub_models.items():
-            self.log(f"model.{key}: {hub.id} at {hub.revision} is commit {hub.commit} ({hub.path})")
+        write_record(L.hub_record, self.hub_ids)
+        for key, hub in self.hub_ids.items():
+            self.log(f"{key}: {hub.id} at {hub.revision} is commit {hub.commit} ({hub.path})")
 
     # -- what the user sees ----------------------------------------------------------------
     def _iteration_metrics(self, k: int) -> dict[str, float]:

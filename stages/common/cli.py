@@ -184,13 +184,13 @@ def run_stage(name: str, config: Any, *, force: bool = False, debug: bool = Fals
     cleanly by SIGINT / SIGTERM, a failure reported in one paragraph, nothing partial left,
     where its artifact went printed); returns the exit code."""
     from rlpipe.stages import get_stage
-    from rlpipe.stages.common.hub import resolve_checkpoint_inputs
+    from rlpipe.stages.common.hub import resolve_hub_inputs
 
     stage = get_stage(name)
     started = time.perf_counter()
     with exit_on_signals(f"stage {name}"):
         try:
-            config = resolve_checkpoint_inputs(config)  # (a checkpoint given as a Hub id: its snapshot)
+            config = resolve_hub_inputs(config)  # (a checkpoint given as a Hub id: its snapshot)
             manifest = stage.run(config, force=force)
         except Exception as e:
             discard_open_staging()  # nothing partial stays behind

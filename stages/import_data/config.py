@@ -24,14 +24,20 @@ class ImportDataConfig(StageConfig):
 
     source: Annotated[Path, Input("file")]
     """The file to import: .jsonl / .ndjson / .json (JSON Lines, or one JSON array of objects),
-    .csv / .tsv (header row first), .parquet, or a `datasets` directory (save_to_disk). The
-    stage's cache key holds its content hash, not its path."""
+    .csv / .tsv (header row first), .parquet, a `datasets` directory (save_to_disk), a folder of
+    data files, or a Hugging Face Hub dataset id `org/name[@revision]` (its snapshot, through the
+    Hub cache). The stage's cache key holds its content hash, not its path."""
     prompts: Annotated[Path | None, Output("prompts")] = None
     """Output `prompts` artifact (set this or `preferences`)."""
     preferences: Annotated[Path | None, Output("preferences")] = None
     """Output `preferences` artifact (set this or `prompts`)."""
     split: str | None = None
-    """A `datasets` directory holding several splits (a DatasetDict): the split to import."""
+    """A `datasets` directory or a data folder (a Hub dataset) holding several splits: the split to
+    import (default: the only one, else 'train')."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """A data folder or Hub dataset: the files to read, as `datasets.load_dataset` takes them (a
+    glob relative to the folder, a list, or {split: pattern}); default: its data files as
+    `datasets` finds them (its README's configs, or files named by split)."""
     prompt: str | None = None
     """Column with the prompt text, or its chat turns (TRL's conversational prompt) (default:
     'prompt' when the source has it). Preferences without one: the implicit prompt, the beginning

@@ -20,7 +20,7 @@ STAGE = "import_data"
 @opens(STAGE)
 def run(config: ImportDataConfig, start: StageStart) -> Manifest:
     """Import `config.source` into its output artifact; returns the manifest."""
-    source = read_source(config.source, config.split)
+    source = read_source(config.source, config.split, config.data_files)
     table, summary = build_table(config, source)
     return write_table_artifact(
         config.output, config.kind, table, stage=STAGE, config=config.resolved(),

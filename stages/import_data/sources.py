@@ -2,7 +2,9 @@
 
 Formats, by suffix: .jsonl / .ndjson / .json (JSON Lines; a .json file may also be one array of
 objects), .csv / .tsv, .parquet / .pq; a directory is a Hugging Face `datasets` save
-(`datasets.load_from_disk`). Text that is not UTF-8 is read with surrogate escapes, so it can
+(`datasets.load_from_disk`), or else a folder of data files laid out as on the Hub (a dataset
+repository's snapshot: `datasets.load_dataset(folder, data_files=...)` reads it, its splits named
+by its files or its README's configs). Text that is not UTF-8 is read with surrogate escapes, so it can
 be reported by column and row (`not_utf8`) instead of failing at the first bad byte.
 
 Rows are numbered as the user would find them: JSON Lines and CSV by file line (from 1),
@@ -56,21 +58,28 @@ class Source:
 
 
 def is_data_file(path: Path | str) -> bool:
-    """Whether `path` names data to import (a file of a known format or a `datasets` directory)
-    rather than an rlpipe artifact. Decided by the suffix; a directory only by its marker files."""
+    """Whether `path` names data to import (a file of a known format, a `datasets` directory or a
+    folder of data files) rather than an rlpipe artifact (a folder with a manifest). Decided by the
+    suffix; a directory by its marker files or the data files in it."""
     path = Path(path)
     if path.suffix.lower() in (*JSONL, *CSV, *PARQUET):
         return True
-    return path.is_dir() and not (path / "_manifest.json").exists() and any(
-        (path / m).is_file() for m in DATASETS_MARKERS)
+    if not path.is_dir() or (path / "_manifest.json").exists():
+        return False
+    return any((path / m).is_file() for m in DATASETS_MARKERS) or any(
+        f.suffix.lower() in (*JSONL, *CSV, *PARQUET) for f in path.rglob("*") if ".cache" not in f.parts)
 
 
-def read_source(path: Path | str, split: str | None = None) -> Source:
+def read_source(path: Path | str, split: str | None = None, data_files: str | list[str] | dict | None = None) -> Source:
     """Read `path` (see the module docstring); DataImportError for unreadable files."""
     path = Path(path)
     if not path.exists():
         raise DataImportError(f"{path} does not exist")
     suffix = path.suffix.lower()
+    if path.is_dir() and (data_files is not None or not any((path / m).is_file() for m in DATASETS_MARKERS)):
+        return _read_data_folder(path, split, data_files)
+    if data_files is not None:
+        raise DataImportError(f"{path} is not a folder of data files: drop data_files")
     if path.is_dir():
         return _read_datasets(path, split)
     if suffix in JSONL:
@@ -161,21 +170,42 @@ def _read_parquet(path: Path) -> Source:
     return _from_arrow(path, "parquet", table)
 
 
+def _read_data_folder(path: Path, split: str | None, data_files: str | list[str] | dict | None) -> Source:
+    """A folder of data files as `datasets.load_dataset` reads a Hub dataset's repository."""
+    datasets = _datasets(path)
+    try:
+        ds = datasets.load_dataset(str(path), data_files=data_files)
+    except (FileNotFoundError, ValueError) as e:  # (no data files, a pattern matching none, mixed formats)
+        raise DataImportError(f"{path}: `datasets` finds no data to read ({type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:300]}): name its files with data_files=PATTERN") from None
+    return _from_arrow(path, "datasets", _one_split(path, ds, split).with_format("arrow")[:])
+
+
+def _datasets(path: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise DataImportError(f"{path}: reading it needs the `datasets` package (pip install 'rlpipe[data]')") from None
+    return datasets
+
+
+def _one_split(path: Path, ds, split: str | None):
+    """The split asked for of a DatasetDict: the only one, else 'train' when there is one."""
+    if split is None:
+        split = next(iter(ds)) if len(ds) == 1 else "train" if "train" in ds else None
+    if split not in ds:
+        raise DataImportError(f"{path} holds the splits {sorted(ds)}: choose one with split=NAME (--split NAME)")
+    return ds[split]
+
+
 def _read_datasets(path: Path, split: str | None) -> Source:
     if not any((path / m).is_file() for m in DATASETS_MARKERS):
         raise DataImportError(f"{path} is a directory but not a `datasets` save (no {' / '.join(DATASETS_MARKERS)}); "
                               "import a .jsonl, .csv or .parquet file, or a directory written by save_to_disk")
-    try:
-        import datasets
-    except ImportError:
-        raise DataImportError(f"{path} is a `datasets` directory: reading it needs `pip install datasets`") from None
+    datasets = _datasets(path)
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
-        if split is None and len(ds) == 1:
-            split = next(iter(ds))
-        if split not in ds:
-            raise DataImportError(f"{path} holds the splits {sorted(ds)}: choose one with split=NAME (--split NAME)")
-        ds = ds[split]
+        ds = _one_split(path, ds, split)
     elif split is not None:
         raise DataImportError(f"{path} is a single dataset with no splits; drop split={split!r}")
     return _from_arrow(path, "datasets", ds.with_format("arrow")[:])

@@ -129,3 +129,58 @@ def test_a_stage_run_alone_takes_a_hub_id_for_its_checkpoint(tmp_path, hub_cache
     assert code == 2, out
     assert_user_error(out, "checkpoint: rlpipe-test/no-such-model is neither a directory here nor in the Hugging "
                       "Face cache")
+
+
+DATASET = "rlpipe-test/sums"
+
+
+@pytest.fixture
+def hub_dataset(tmp_path, monkeypatch, hub_cache):
+    """$HF_HUB_CACHE/datasets--rlpipe-test--sums at main: data/train-*.parquet (4 sums) and
+    data/test-*.parquet (2), as a dataset repository lays them out."""
+    import datasets.config
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = tmp_path / "hub" / f"datasets--{DATASET.replace('/', '--')}"
+    commit = hashlib.sha1(b"sums").hexdigest()
+    data = repo / "snapshots" / commit / "data"
+    data.mkdir(parents=True)
+    for split, pairs in (("train", ((1, 1), (2, 2), (2, 3), (3, 3))), ("test", ((4, 1), (1, 4)))):
+        rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+        pq.write_table(pa.Table.from_pylist(rows), data / f"{split}-00000-of-00001.parquet")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")  # (its Arrow cache)
+    return repo / "snapshots" / commit
+
+
+def test_a_hub_dataset_imports_by_id_and_a_run_records_its_commit(tmp_path, hub_dataset):
+    from rlpipe.schemas import read_manifest, read_table_artifact
+
+    code, out = cli("data", "import", DATASET, tmp_path / "train")
+    assert code == 0, out
+    assert f"source: {DATASET} at main is commit {hub_dataset.name}" in out
+    rows = read_table_artifact(tmp_path / "train").to_pylist()  # the train split (of two)
+    assert [(r["prompt"], r["answer"]) for r in rows] == [("1+1=", "2"), ("2+2=", "4"), ("2+3=", "5"), ("3+3=", "6")]
+    assert read_manifest(tmp_path / "train").inputs["source"].path == str(hub_dataset)
+    code, out = cli("data", "import", DATASET, tmp_path / "test", "--split", "test")
+    assert code == 0 and read_table_artifact(tmp_path / "test").num_rows == 2, out
+    code, out = cli("data", "import", DATASET, tmp_path / "few", "--data-files", "data/test-*.parquet")
+    assert code == 0 and read_table_artifact(tmp_path / "few").num_rows == 2, out
+    code, out = cli("data", "import", "rlpipe-test/no-such-data", tmp_path / "none")
+    assert code == 2, out
+    assert_user_error(out, "source: rlpipe-test/no-such-data is neither a path here nor in the Hugging Face cache")
+
+    # a preset naming the dataset and a model by id: one iteration, both commits recorded
+    spec = yaml.safe_load(_preset(tmp_path, REPO).read_text())
+    spec["data"] = {"prompts": DATASET}
+    (tmp_path / "hub.yaml").write_text(yaml.safe_dump(spec))
+    run_dir = tmp_path / "runs" / "hub"
+    code, out = cli("run", tmp_path / "hub.yaml", "--local", "--run-dir", run_dir)
+    assert code == 0, out
+    record = json.loads((run_dir / "hub.json").read_text())
+    assert record["data.prompts"] == {"id": DATASET, "revision": "main", "commit": hub_dataset.name,
+                                      "path": str(hub_dataset)}
+    assert record["model.base"]["id"] == REPO
+    assert read_table_artifact(run_dir / "data" / "prompts_train").num_rows == 4
