@@ -10,6 +10,15 @@ the logits at position P_b + t - 1 (the position that predicts it):
 Outputs are left-aligned per response, shape (B, T) with T = max_b T_b, and `mask[b, t] = 1` on
 real response tokens. Right padding needs no position ids (pads come after every real token).
 
+Packed (`pack(..., packed=True)`): the B sequences lie back to back in R <= B rows as wide as the
+longest (first-fit decreasing: padding only at a row's end), position ids restarting at 0 at each
+sequence; transformers reads restarting position ids with no attention mask as packed sequences
+and confines attention to each (a block-diagonal causal mask for sdpa / eager / flex,
+flash-attention's variable-length kernel), so every sequence's logits are those of its own
+forward. Rows no wider than the padded layout's keep dense attention (CPU, sdpa) at most its cost:
+one row of every token would cost (sum_b L_b)^2. The outputs keep their (B, T) shape: `rows[b]`
+and `positions[b, t]` say where each response position is.
+
 Memory (`response_stats`): the model's forward keeps one position's logits (`logits_to_keep=1`);
 the LM head is applied to the response positions' final hidden states only, `chunk_tokens` tokens
 at a time, each chunk's fp32 logits recomputed in the backward instead of kept (activation
@@ -21,7 +30,7 @@ unchunked computation (nothing recomputed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,37 +40,74 @@ import torch.utils.checkpoint
 
 from rlpipe.stages.common import LOGPROB_CHUNK_TOKENS
 
+#: Architectures whose forward reads restarting position ids without an attention mask as packed
+#: sequences (transformers' masking_utils), checked packed against padded on tiny checkpoints of
+#: each (tests/stages/test_packing.py). OPT (positions from the mask's running sum) and Bloom
+#: (ALiBi from the mask) are not; an architecture not listed is padded.
+PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
+                                "qwen2_moe", "mixtral", "olmoe"})
+
+
+def packs(model: Any) -> bool:
+    """Whether `model` (a DeepSpeed engine's, a scalar-head model's backbone, a LoRA wrapper's
+    base) takes packed sequences (`PACKED_MODEL_TYPES`)."""
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "backbone", inner)
+    return getattr(getattr(inner, "config", None), "model_type", None) in PACKED_MODEL_TYPES
+
 
 @dataclass(frozen=True)
 class PackedBatch:
     """Prompt+response sequences packed for one forward pass.
 
-    Shapes: input_ids, attention_mask (B, L); positions, mask (B, T); prompt_lens, response_lens (B,).
+    Shapes: input_ids (R, L) (R = B padded, R <= B packed); attention_mask (B, L) padded, None
+    packed; position_ids None padded, (R, L) packed; positions, mask (B, T); prompt_lens,
+    response_lens, rows (B,).
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     positions: torch.Tensor
-    """positions[b, t] = P_b + t - 1: where the logits that predict response token t sit."""
+    """positions[b, t]: where in row rows[b] the logits that predict response token t sit (P_b + t - 1
+    from the sequence's start)."""
     mask: torch.Tensor
     """1.0 on real response tokens, 0.0 on padding (float32)."""
     response_ids: torch.Tensor
     """Response token ids, left-aligned, padded with 0 (B, T)."""
     prompt_lens: torch.Tensor
     response_lens: torch.Tensor
+    rows: torch.Tensor
+    """The row of input_ids each sequence lies in (b padded)."""
+    position_ids: torch.Tensor | None = None
+    """Packed: each token's position in its own sequence (restarting at 0); None padded."""
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return PackedBatch(*(None if (x := getattr(self, f)) is None else x.to(device) for f in self.__dataclass_fields__))
+
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments of the model's forward for this layout."""
+        if self.position_ids is None:
+            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        # (no cache: transformers reads restarting position ids as packed sequences only without one)
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+    @property
+    def tokens(self) -> int:
+        """Positions the forward computes (padding included)."""
+        return self.input_ids.numel()
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-         sampled: Sequence[Sequence[float]] | None = None) -> PackedBatch:
-    """Concatenate each prompt with its response and right-pad to one length.
+         sampled: Sequence[Sequence[float]] | None = None, *, packed: bool = False) -> PackedBatch:
+    """Concatenate each prompt with its response and right-pad to one length, or (`packed`) lay
+    them back to back in one row without padding (see the module doc).
 
     `sampled` (episodes): per response token 1 where the model sampled it, 0 where an environment
     wrote it; `mask` is then 0 on the environment's tokens too, so that no log-prob, entropy or
     loss term is taken over them (they stay in the input: later tokens are conditioned on them).
     """
+    if packed:
+        return _packed(prompts, responses, pad_id, sampled)
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
@@ -83,15 +129,70 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     t = torch.arange(T).unsqueeze(0)
     mask = (t < T_b.unsqueeze(1)).float()
     positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
+    _mask_sampled(mask, sampled)
+    return PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b, torch.arange(B))
+
+
+class PackedRows:
+    """Token sequences laid back to back in rows as wide as the longest (first-fit decreasing:
+    padding only at a row's end), position ids restarting at each sequence and at a row's
+    trailing padding (a segment of its own): what transformers reads as packed sequences.
+    Attention (dense on CPU) costs each row width^2, never more than padding the rows would.
+
+    Shapes: input_ids, position_ids (R, width); row_of, start_of: one per sequence."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]], pad_id: int):
+        lengths = [len(q) for q in sequences]
+        width = max(lengths, default=0)
+        fill: list[int] = []
+        self.row_of, self.start_of = [0] * len(sequences), [0] * len(sequences)
+        for b in sorted(range(len(sequences)), key=lambda b: (-lengths[b], b)):
+            r = next((r for r, used in enumerate(fill) if used + lengths[b] <= width), len(fill))
+            if r == len(fill):
+                fill.append(0)
+            self.row_of[b], self.start_of[b] = r, fill[r]
+            fill[r] += lengths[b]
+        self.input_ids = torch.full((len(fill), width), pad_id, dtype=torch.long)
+        self.position_ids = torch.zeros((len(fill), width), dtype=torch.long)
+        for b, q in enumerate(sequences):
+            row, at = self.row_of[b], self.start_of[b]
+            self.input_ids[row, at: at + lengths[b]] = torch.tensor(list(q), dtype=torch.long)
+            self.position_ids[row, at: at + lengths[b]] = torch.arange(lengths[b])
+        for row, used in enumerate(fill):
+            self.position_ids[row, used:] = torch.arange(width - used)
+
+
+def _packed(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+            sampled: Sequence[Sequence[float]] | None) -> PackedBatch:
+    B = len(prompts)
+    P = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    T_b = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    T = int(T_b.max()) if B else 0
+    rows = PackedRows([[*p, *r] for p, r in zip(prompts, responses, strict=True)], pad_id)
+    row_of, start_of = rows.row_of, rows.start_of
+    input_ids, position_ids = rows.input_ids, rows.position_ids
+    response_ids = torch.zeros((B, T), dtype=torch.long)
+    for b, r in enumerate(responses):
+        if len(r):
+            response_ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    t = torch.arange(T).unsqueeze(0)
+    mask = (t < T_b.unsqueeze(1)).float()
+    starts = torch.tensor(start_of, dtype=torch.long)
+    positions = (starts.unsqueeze(1) + P.unsqueeze(1) + t - 1) * mask.long()
+    _mask_sampled(mask, sampled)
+    return PackedBatch(input_ids, None, positions, mask, response_ids, P, T_b, torch.tensor(row_of, dtype=torch.long),
+                       position_ids)
+
+
+def _mask_sampled(mask: torch.Tensor, sampled: Sequence[Sequence[float]] | None) -> None:
     if sampled is not None:
         for b, m in enumerate(sampled):
             mask[b, : len(m)] *= torch.as_tensor(np.asarray(m, dtype=np.float32))
-    return PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b)
 
 
 def gather_positions(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """x[b, positions[b, t]] for a per-position tensor x of shape (B, L); zero where masked."""
-    return x.gather(1, batch.positions) * batch.mask
+    """x[rows[b], positions[b, t]] for a per-position tensor x of shape (R, L), (B, T); zero where masked."""
+    return x[batch.rows.unsqueeze(1), batch.positions] * batch.mask
 
 
 def response_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -99,16 +200,14 @@ def response_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
 
     Gathers the needed positions before the softmax, so memory is O(B*T*V), not O(B*L*V).
     """
-    idx = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    picked = logits.gather(1, idx).float()  # (B, T, V)
+    picked = logits[batch.rows.unsqueeze(1), batch.positions].float()  # (B, T, V)
     token_logits = picked.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     return (token_logits - torch.logsumexp(picked, dim=-1)) * batch.mask
 
 
 def response_entropy(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """H_t = -sum_a pi(a) log pi(a) at each response position, (B, T); 0 where masked."""
-    idx = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    logp = torch.log_softmax(logits.gather(1, idx).float(), dim=-1)
+    logp = torch.log_softmax(logits[batch.rows.unsqueeze(1), batch.positions].float(), dim=-1)
     return -(logp.exp() * logp).sum(-1) * batch.mask
 
 
@@ -135,10 +234,9 @@ def output_head(model: Any) -> tuple[torch.nn.Module, Callable[[torch.Tensor], t
 
 
 def final_hidden(model: Any, batch: PackedBatch) -> torch.Tensor:
-    """The final hidden states (B, L, H) the output layer reads, with no full-length logits: the
+    """The final hidden states (R, L, H) the output layer reads, with no full-length logits: the
     forward computes one position's (`logits_to_keep=1`)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
-                logits_to_keep=1)
+    out = model(**batch.model_inputs(), output_hidden_states=True, logits_to_keep=1)
     return out.hidden_states[-1]
 
 
@@ -174,8 +272,7 @@ def response_stats(model: Any, batch: PackedBatch, *, chunk_tokens: int | None =
     hidden = final_hidden(model, batch)
     B, T = batch.mask.shape
     where = (batch.mask.reshape(-1) > 0).nonzero().squeeze(-1)  # the tokens a log-prob is taken of
-    index = batch.positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    picked = hidden.gather(1, index).reshape(B * T, -1)[where]  # (N, H)
+    picked = hidden[batch.rows.unsqueeze(1), batch.positions].reshape(B * T, -1)[where]  # (N, H)
     ids = batch.response_ids.reshape(-1)[where]
     head, finish = output_head(model)
     size = max(len(ids) if chunk_tokens is None else chunk_tokens, 1)
@@ -217,13 +314,39 @@ def unpad(x: torch.Tensor, batch: PackedBatch) -> list[np.ndarray]:
     return [x[b, : int(n)].astype(np.float32) for b, n in enumerate(batch.response_lens)]
 
 
+def forward_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[range]:
+    """Consecutive rows for each forward pass, in input order: at most `max_rows` rows and (when
+    given) `max_tokens` tokens each; a row longer than the budget goes alone."""
+    out: list[range] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= max_rows or (max_tokens is not None and tokens + n > max_tokens)):
+            out.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        out.append(range(start, len(lengths)))
+    return out
+
+
+def batched_packs(model: Any, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                  batch_size: int, max_tokens: int | None = None, packing: bool = True) -> Iterator[PackedBatch]:
+    """The forward passes of a no-grad pass over (prompt, response) rows in input order
+    (`forward_batches`), packed where the model takes it (`packs`), on the model's device."""
+    device = next(model.parameters()).device
+    packed = packing and packs(model)
+    for rows in forward_batches([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], batch_size,
+                                max_tokens):
+        yield pack([prompts[i] for i in rows], [responses[i] for i in rows], pad_id, packed=packed).to(device)
+
+
 @torch.no_grad()
 def teacher_forced_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                            pad_id: int, batch_size: int = 32, chunk_tokens: int | None = LOGPROB_CHUNK_TOKENS) -> list[np.ndarray]:
-    """Per-token log-probs of each response under `model` (no grad), in input order."""
-    device = next(model.parameters()).device
+                            pad_id: int, batch_size: int = 32, chunk_tokens: int | None = LOGPROB_CHUNK_TOKENS,
+                            max_tokens: int | None = None, packing: bool = True) -> list[np.ndarray]:
+    """Per-token log-probs of each response under `model` (no grad), in input order; forward
+    passes of `batch_size` rows and at most `max_tokens` tokens, packed where the model takes it."""
     out: list[np.ndarray] = []
-    for i in range(0, len(prompts), batch_size):
-        batch = pack(prompts[i : i + batch_size], responses[i : i + batch_size], pad_id).to(device)
+    for batch in batched_packs(model, prompts, responses, pad_id, batch_size, max_tokens, packing):
         out.extend(unpad(response_stats(model, batch, chunk_tokens=chunk_tokens, entropy=False)[0], batch))
     return out

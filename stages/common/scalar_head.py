@@ -77,8 +77,8 @@ class ScalarHeadModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               **kwargs).last_hidden_state
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **{"use_cache": False, **kwargs}
+                               ).last_hidden_state
         return TokenClassifierOutput(logits=self.head(hidden.to(self.head.weight.dtype)))
 
     # The parts of the Hugging Face model interface the training engines use.

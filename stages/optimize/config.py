@@ -239,7 +239,19 @@ class OptimizeConfig(StageConfig):
     minibatch_size: int | None = Field(None, ge=1)
     """Rows per optimizer step over all ranks; None: the whole batch (one step per epoch)."""
     micro_batch_size: int = Field(8, ge=1)
-    """Rows per forward/backward pass on one rank (gradient accumulation fills the minibatch)."""
+    """Rows per forward/backward pass on one rank (gradient accumulation fills the minibatch); with
+    `max_tokens_per_micro_batch`, the most rows one may hold."""
+    max_tokens_per_micro_batch: Annotated[int | None, Runtime()] = Field(None, ge=1)
+    """Cut each rank's share of a step into micro-batches by tokens (prompt + response) instead of
+    rows: the fewest micro-batches of at most this many tokens (and `micro_batch_size` rows) on the
+    rank that needs the most, the same count on every rank, each rank's balanced by tokens. The
+    step's loss keeps its global token and sequence counts, so the gradient is the same however cut
+    (up to summation order). None: `micro_batch_size` rows each. Not part of the cache key."""
+    packing: Annotated[bool, Runtime()] = True
+    """Padding-free forward and backward passes: a micro-batch's sequences back to back in one row,
+    attention confined to each (forward.py), on the architectures where transformers supports it
+    (forward.PACKED_MODEL_TYPES; others pad). The same log-probs as padded rows up to float rounding.
+    Not part of the cache key."""
     logprob_chunk_tokens: int | None = Field(LOGPROB_CHUNK_TOKENS, ge=1)
     """Response tokens whose vocabulary-sized logits exist at once (log-probs and entropy): the LM
     head is applied to the response positions only, this many at a time, in fp32, and each chunk

@@ -147,8 +147,34 @@ def epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.
     return np.random.default_rng([seed, epoch]).permutation(n_rows)
 
 
+def token_micro_batches(block: np.ndarray, tokens: np.ndarray, parts: int) -> list[np.ndarray]:
+    """`block`'s rows in `parts` micro-batches of near-equal token counts: each row, longest
+    first, to the micro-batch with the fewest tokens so far (LPT); each micro-batch's rows in
+    block order. Deterministic: ties go to the lower index."""
+    loads, bins = [0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(block)), key=lambda i: (-int(tokens[block[i]]), i)):
+        j = min(range(parts), key=lambda j: (loads[j], j))
+        loads[j] += int(tokens[block[i]])
+        bins[j].append(i)
+    return [block[sorted(b)] for b in bins]
+
+
+def micro_batch_count(block: np.ndarray, tokens: np.ndarray, max_tokens: int, max_rows: int) -> int:
+    """The fewest micro-batches `block` splits into (`token_micro_batches`) with at most
+    `max_rows` rows and `max_tokens` tokens each (a row longer than the budget alone in its own)."""
+    n, total = len(block), int(tokens[block].sum())
+    parts = max(1, -(-n // max_rows), -(-total // max_tokens))
+    while parts < n:
+        cut = token_micro_batches(block, tokens, parts)
+        if all(len(m) <= max_rows and (int(tokens[m].sum()) <= max_tokens or len(m) == 1) for m in cut):
+            break
+        parts += 1
+    return min(parts, n)
+
+
 def step_slices(order: np.ndarray, minibatch_size: int, world_size: int, rank: int,
-                micro_batch_size: int, lengths: np.ndarray | None = None) -> list[list[np.ndarray]]:
+                micro_batch_size: int, lengths: np.ndarray | None = None,
+                max_tokens: int | None = None) -> list[list[np.ndarray]]:
     """This rank's micro-batches (row indices) for each optimizer step of one epoch.
 
     Minibatch k is order[k*M : (k+1)*M]; rank r takes the contiguous block r of M / W rows and cuts
@@ -158,11 +184,29 @@ def step_slices(order: np.ndarray, minibatch_size: int, world_size: int, rank: i
     micro-batch pads to one length are of similar lengths: the same rows in each step and rank,
     the same step gradient (the loss is split-invariant), less padding.
 
+    With `max_tokens` (each row's token count in `lengths`): a step's blocks are cut by tokens
+    instead, into the same number of micro-batches on every rank (the most any rank's block needs
+    under `max_tokens` and `micro_batch_size` rows, `micro_batch_count`; ZeRO-3's forward passes are
+    collectives), each rank's balanced by tokens (`token_micro_batches`). The step's loss is still
+    divided by its global token and sequence counts, so the gradient is the same however cut.
+
     Returns:
         steps[k][j]: the row indices of micro-batch j of step k on this rank.
     """
     n = len(order)
     per_rank = minibatch_size // world_size
+    if max_tokens is not None:
+        if lengths is None:
+            raise ValueError("a token budget needs each row's length")
+        if n % minibatch_size or minibatch_size % world_size:
+            raise ValueError(f"rows {n}, minibatch_size {minibatch_size}, world size {world_size}: need rows % "
+                             "minibatch_size == 0 and minibatch_size % world_size == 0")
+        steps = []
+        for start in range(0, n, minibatch_size):
+            blocks = [order[start + r * per_rank: start + (r + 1) * per_rank] for r in range(world_size)]
+            parts = max(micro_batch_count(b, lengths, max_tokens, micro_batch_size) for b in blocks)
+            steps.append(token_micro_batches(blocks[rank], lengths, parts))
+        return steps
     if n % minibatch_size or minibatch_size % world_size or per_rank % micro_batch_size:
         raise ValueError(
             f"rows {n}, minibatch_size {minibatch_size}, world size {world_size}, micro_batch_size "

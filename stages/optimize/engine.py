@@ -59,7 +59,7 @@ def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, betas
 
 
 def forward_logits(engine: Any, batch: PackedBatch) -> torch.Tensor:
-    return engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return engine(**batch.model_inputs()).logits
 
 
 def policy_forward(engine: Any, batch: PackedBatch, *, entropy_grad: bool,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rlpipe.schemas.errors import UserError
-from rlpipe.stages.common.forward import pack
+from rlpipe.stages.common.forward import pack, packs
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.optimize.config import OptimizeConfig, TRPOLoss
 from rlpipe.stages.optimize.core import (
@@ -78,16 +78,19 @@ def prepare(config: OptimizeConfig, d: Any) -> Work:
     # A micro-batch bounds memory: one larger than a rank's share of a step is that share (a small
     # iteration, 2 prompts x 2 samples, under the default of 8).
     micro = min(config.micro_batch_size, max(minibatch // d.world_size, 1))
+    by_tokens = config.max_tokens_per_micro_batch
     lengths = (np.array([len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)])
-               if config.group_by_length else None)
+               if config.group_by_length or by_tokens else None)
     try:
         schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
-                                 micro, lengths) for e in range(config.epochs)]
+                                 micro, lengths, by_tokens) for e in range(config.epochs)]
     except ValueError as e:
         raise UserError(f"optimize cannot cut the iteration's rows into steps: {e}; set optimize.minibatch_size "
                         "and optimize.micro_batch_size to divide them (prompts_per_iteration x rollout.group_size "
                         "rows, split over the optimize ranks)") from None
     grad_accum = minibatch // (d.world_size * micro)
+    if by_tokens:  # (micro-batches per step vary: each step's last one is marked as its boundary, `_train_step`)
+        micro, grad_accum = minibatch // d.world_size, 1
     dscfg = ds.ds_config(config.zero_stage, micro_batch_size=micro, grad_accum=grad_accum,
                          world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
     # seq-mean-token-sum-norm's L: the most tokens one response of the batch sampled (an episode's
@@ -106,7 +109,7 @@ def train(E: Any, config: OptimizeConfig, work: Work, engines: Engines, pad_id: 
         # The reference of a LoRA run is its base: the same model with the adapters off (no copy).
         with adapters_disabled(pol):
             ref = _recompute_old_logprobs(E, pol, batch, work.schedules[0], pad_id, world_size,
-                                          config.logprob_chunk_tokens)
+                                          config.logprob_chunk_tokens, config.packing and packs(pol))
         batch.ref_logp = [ref[i] for i in range(len(batch))]
     # The stage's torch RNG is the train state's (seeded on a fresh start), forked so that the
     # stages around it in one process see the global RNG as if optimize had not run.
@@ -135,7 +138,7 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
     else:
         first = 1 if config.old_logprobs_forward == "training" else 0
         old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0][first:], pad_id, world_size,
-                                           config.logprob_chunk_tokens)
+                                           config.logprob_chunk_tokens, config.packing and packs(pol))
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
     obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
@@ -167,22 +170,21 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
 
 
 def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_id: int,
-                            world_size: int, chunk_tokens: int | None) -> dict[int, np.ndarray]:
+                            world_size: int, chunk_tokens: int | None, packing: bool) -> dict[int, np.ndarray]:
     local: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for micro_batches in steps:
             for rows in micro_batches:
-                packed = _pack(E, batch, rows, pad_id)
+                packed = _pack(E, batch, rows, pad_id, packing)
                 logp = E.policy_logprobs(engine, packed, chunk_tokens=chunk_tokens).cpu().numpy()
                 for b, i in enumerate(rows):
                     local[int(i)] = logp[b, : len(batch.response_ids[i])].copy()
     return E.gather_rows(local, world_size)
 
 
-def _pack(E: Any, batch: Batch, rows: np.ndarray, pad_id: int):
-    packed = pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad_id,
-                  sampled=batch.sampled_rows(rows))
-    return packed.to(E.device())
+def _pack(E: Any, batch: Batch, rows: np.ndarray, pad_id: int, packed: bool):
+    return pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad_id,
+                sampled=batch.sampled_rows(rows), packed=packed).to(E.device())
 
 
 def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[np.ndarray],
@@ -205,8 +207,13 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
     # TRPO (trpo_step.py) takes the policy step itself after the micro-batches: no AdamW step
     trpo = TRPOStep(pol, config.loss, n_tok) if isinstance(config.loss, TRPOLoss) else None
     off_policy = config.tis_cap is not None or config.mismatch_mask is not None
-    for rows in micro_batches:
-        packed = _pack(E, batch, rows, pad_id)
+    packing = config.packing and packs(pol) and (crit is None or packs(crit))
+    for j, rows in enumerate(micro_batches):
+        if config.max_tokens_per_micro_batch:  # (a step's micro-batches vary in number: its last is the boundary)
+            for engine in (pol, crit):
+                if engine is not None and trpo is None:
+                    engine.set_gradient_accumulation_boundary(j == len(micro_batches) - 1)
+        packed = _pack(E, batch, rows, pad_id, packing)
         T = packed.mask.shape[1]
         # TRPO differentiates the bare module (the engine's forward hooks expect engine.backward)
         logp, entropy = E.policy_forward(pol if trpo is None else pol.module, packed, entropy_grad=obj.entropy_coef > 0,

@@ -51,8 +51,7 @@ MicroLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def response_log_softmax(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """log pi(. | prefix) over the vocabulary at each response position, (B, T, V), fp32."""
-    idx = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    return torch.log_softmax(logits.gather(1, idx).float(), dim=-1)
+    return torch.log_softmax(logits[batch.rows.unsqueeze(1), batch.positions].float(), dim=-1)
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +91,7 @@ class TRPOStep:
     def _logits(self, batch: PackedBatch) -> torch.Tensor:
         # The bare module (whole parameters at ZeRO 0/1): the engine's forward registers output
         # hooks that scale gradients for accumulation and expect engine.backward.
-        return self.engine.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return self.engine.module(**batch.model_inputs()).logits
 
     def _kl_terms(self) -> Iterator[torch.Tensor]:
         """Each micro-batch's share of KLbar(old || theta) with pi_old = the current pi, detached

@@ -27,7 +27,14 @@ class ReferenceConfig(ShardedConfig):
     critic: Annotated[Path | None, Input("checkpoint")] = None
     """Critic checkpoint (token classification, one label) for `values`."""
     batch_size: int = Field(32, ge=1)
-    """Sequences per forward pass."""
+    """Sequences per forward pass (at most)."""
+    max_tokens_per_batch: Annotated[int | None, Runtime()] = Field(None, ge=1)
+    """Tokens (prompt + response) per forward pass at most, beside `batch_size` (a longer row goes
+    alone); None: `batch_size` rows whatever their lengths. Not part of the cache key."""
+    packing: Annotated[bool, Runtime()] = True
+    """Padding-free forward passes (a batch's sequences back to back, attention confined to each)
+    where the architecture takes them (stages/common/forward.py); else padded rows. The same numbers
+    up to float rounding. Not part of the cache key."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to run the forward passes; 'auto' takes CUDA when available."""
     seed: int = 0

@@ -32,7 +32,12 @@ from rlpipe.schemas import (
     read_shard,
 )
 from rlpipe.schemas.errors import DataError
-from rlpipe.stages.common.forward import gather_positions, pack, teacher_forced_logprobs, unpad
+from rlpipe.stages.common.forward import (
+    batched_packs,
+    gather_positions,
+    teacher_forced_logprobs,
+    unpad,
+)
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -44,16 +49,15 @@ COLUMNS = ["run", *KEY, "prompt_token_ids", "response_token_ids"]
 
 @torch.no_grad()
 def critic_values(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                  pad_id: int, batch_size: int = 32) -> list[np.ndarray]:
+                  pad_id: int, batch_size: int = 32, max_tokens: int | None = None,
+                  packing: bool = True) -> list[np.ndarray]:
     """V_t of each response token under a value-head model (no grad), in input order.
 
     V_t = head(hidden state at P_b + t - 1): the value of the prefix before response token t.
     """
-    device = next(model.parameters()).device
     out: list[np.ndarray] = []
-    for i in range(0, len(prompts), batch_size):
-        batch = pack(prompts[i : i + batch_size], responses[i : i + batch_size], pad_id).to(device)
-        head = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, 1)
+    for batch in batched_packs(model, prompts, responses, pad_id, batch_size, max_tokens, packing):
+        head = model(**batch.model_inputs()).logits  # (R, L, 1)
         out.extend(unpad(gather_positions(head[..., 0].float(), batch), batch))
     return out
 
@@ -126,11 +130,13 @@ def _reference_shard(path, table, ref, critic, writer: ArtifactWriter, config: R
         _check_vocab(model, prompts, responses, path)
     out = {name: table.column(name) for name in ("run", *KEY)}
     out["ref_logprobs"] = (
-        list_array_from_numpy(teacher_forced_logprobs(ref[0], prompts, responses, ref[1], config.batch_size))
+        list_array_from_numpy(teacher_forced_logprobs(ref[0], prompts, responses, ref[1], config.batch_size,
+                                                      max_tokens=config.max_tokens_per_batch, packing=config.packing))
         if ref else [None] * table.num_rows
     )
     out["values"] = (
-        list_array_from_numpy(critic_values(critic[0], prompts, responses, critic[1], config.batch_size))
+        list_array_from_numpy(critic_values(critic[0], prompts, responses, critic[1], config.batch_size,
+                                            config.max_tokens_per_batch, config.packing))
         if critic else [None] * table.num_rows
     )
     writer.write_shard(out, index=shard_index(path))

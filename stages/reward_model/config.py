@@ -31,6 +31,10 @@ class RewardModelConfig(StageConfig):
     """Run name written into the metrics rows."""
     iteration: Annotated[int, Assigned()] = Field(0, ge=0)
     """Iteration written into the metrics rows."""
+    packing: Annotated[bool, Runtime()] = True
+    """Padding-free forward passes (each pair's sequences back to back, attention confined to each:
+    stages/common/forward.py) where the architecture takes them; else padded. The same rewards up
+    to float rounding. Not part of the cache key."""
     seed: int = 0
     """Seeds the head initialisation, the held-out split and the data order."""
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlpipe.stages.common.forward import packs
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.reward_model.config import RewardModelConfig
 from rlpipe.stages.reward_model.core import epoch_batches
@@ -20,7 +21,7 @@ from rlpipe.stages.reward_model.loss import bradley_terry_loss
 from rlpipe.stages.reward_model.modeling import (
     RewardCheckpointError,
     RewardModule,
-    right_pad,
+    reward_batch,
 )
 
 
@@ -70,10 +71,11 @@ class History:
         self.rows.extend((step, k, float(v)) for k, v in values.items())
 
 
-def _forward_pairs(engine, data: PairData, pad_id: int):
+def _forward_pairs(engine, data: PairData, pad_id: int, packing: bool):
+    """(r_chosen, r_rejected) of the pairs: one forward over both sides, packed where it may be."""
     b = len(data)
-    input_ids, mask = right_pad(data.chosen + data.rejected, pad_id)
-    r = engine(input_ids.to(engine.device), mask.to(engine.device))
+    packed = packing and packs(engine.module.model)
+    r = engine(**reward_batch(data.chosen + data.rejected, pad_id, packed, engine.device))
     return r[:b], r[b:]
 
 
@@ -83,7 +85,8 @@ def evaluate(engine, data: PairData, pad_id: int, cfg: RewardModelConfig) -> dic
     engine.eval()
     rc, rr = [], []
     for start in range(0, len(data), cfg.eval_batch_size):
-        c, r = _forward_pairs(engine, data.take(np.arange(start, min(start + cfg.eval_batch_size, len(data)))), pad_id)
+        c, r = _forward_pairs(engine, data.take(np.arange(start, min(start + cfg.eval_batch_size, len(data)))), pad_id,
+                              cfg.packing)
         rc.append(c.float().cpu())
         rr.append(r.float().cpu())
     engine.train()
@@ -124,7 +127,7 @@ def train(model, tokenizer, train_data: PairData, eval_data: PairData, cfg: Rewa
         for batches in epochs:
             for idx in batches:
                 batch = train_data.take(idx)
-                r_c, r_r = _forward_pairs(engine, batch, pad_id)
+                r_c, r_r = _forward_pairs(engine, batch, pad_id, cfg.packing)
                 margin = torch.as_tensor(batch.margin, dtype=torch.float32) if cfg.use_margin else None
                 loss, stats = bradley_terry_loss(r_c, r_r, margin, cfg.center_coef)
                 engine.backward(loss)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from rlpipe.stages.common.forward import packs
+
 
 class RewardCheckpointError(ValueError):
     """A checkpoint is missing or is not a reward model (a scalar-head model with one output)."""
@@ -71,18 +73,41 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return input_ids, attention_mask
 
 
-def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar reward of each right-padded sequence: the head at its last real token.
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                     ends: torch.Tensor | None = None) -> torch.Tensor:
+    """Scalar reward of each sequence: the head at its last real token.
 
-    `model` is a `ScalarHeadModel` (one output per position, scalar_head.py):
-    r[b] = head(h[b, len_b - 1]), len_b = attention_mask[b].sum().
+    `model` is a `ScalarHeadModel` (one output per position, scalar_head.py). Right-padded rows
+    (`attention_mask`): r[b] = head(h[b, len_b - 1]), len_b = attention_mask[b].sum(). Packed rows
+    (`position_ids`, `reward_batch`): r[b] = head(h[rows[b], ends[b]]).
 
     Shape:
-        input_ids, attention_mask: (B, L). Returns (B,) float.
+        input_ids, attention_mask, position_ids: (R, L); rows, ends: (B,). Returns (B,) float.
     """
+    if position_ids is not None:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[..., 0]  # (R, L)
+        return out[rows, ends].float()
     out = model(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0]  # (B, L)
     last = attention_mask.sum(dim=1) - 1  # right padding: the last real token sits at len - 1
     return out[torch.arange(out.shape[0], device=out.device), last].float()
+
+
+def reward_batch(seqs: Sequence[Sequence[int]], pad_id: int, packed: bool,
+                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """`sequence_rewards`' keyword arguments for `seqs`: right-padded rows, or (`packed`, where
+    the architecture takes it: forward.packs) the sequences back to back (forward.PackedRows)."""
+    if not packed:
+        input_ids, attention_mask = right_pad(seqs, pad_id)
+        return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+    from rlpipe.stages.common.forward import PackedRows
+
+    if any(len(s) == 0 for s in seqs):
+        raise ValueError("an empty token sequence has no last token to read a reward from")
+    rows = PackedRows(seqs, pad_id)
+    ends = [start + len(s) - 1 for start, s in zip(rows.start_of, seqs, strict=True)]
+    return {"input_ids": rows.input_ids.to(device), "position_ids": rows.position_ids.to(device),
+            "rows": torch.tensor(rows.row_of, device=device), "ends": torch.tensor(ends, device=device)}
 
 
 class RewardModule(torch.nn.Module):
@@ -92,27 +117,29 @@ class RewardModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return sequence_rewards(self.model, input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                ends: torch.Tensor | None = None) -> torch.Tensor:
+        return sequence_rewards(self.model, input_ids, attention_mask, position_ids, rows, ends)
 
 
 @torch.no_grad()
 def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *,
-                max_length: int, batch_size: int) -> torch.Tensor:
+                max_length: int, batch_size: int, packing: bool = True) -> torch.Tensor:
     """Rewards of (prompt, response) texts in input order, batched by similar length.
 
     Sequences are sorted by length (stable) before batching, so padding stays small; each
     reward depends only on its own tokens and the batch composition, which is a function of the
-    input alone (deterministic).
+    input alone (deterministic). Packed (`reward_batch`) where the architecture takes it.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     seqs = encode(tokenizer, prompts, responses, max_length)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     device = next(model.parameters()).device
+    packed = packing and packs(model)
     out = torch.empty(len(seqs), dtype=torch.float32)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        input_ids, attention_mask = right_pad([seqs[i] for i in idx], pad_id)
-        r = sequence_rewards(model, input_ids.to(device), attention_mask.to(device))
+        r = sequence_rewards(model, **reward_batch([seqs[i] for i in idx], pad_id, packed, device))
         out[torch.tensor(idx)] = r.float().cpu()
     return out

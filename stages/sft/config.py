@@ -29,6 +29,10 @@ class SFTConfig(StageConfig):
     `model.loading` sets it for every stage. Not part of the cache key."""
     metrics_output: Annotated[Path | None, Output("metrics")] = None
     """Where to write the `metrics` artifact (loss per step); None: `<output>_metrics` beside it."""
+    packing: Annotated[bool, Runtime()] = True
+    """Padding-free batches (the examples back to back in rows as wide as the longest, attention
+    confined to each: stages/common/forward.py) where the architecture takes them; else padded.
+    The same loss up to float rounding. Not part of the cache key."""
     loss_on: Literal["answer", "all"] = "answer"
     """Tokens that carry loss for rows with an answer: 'answer' = answer tokens + EOS only,
     'all' = every token after BOS (prompt included)."""

@@ -129,6 +129,22 @@ def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, tor
     return input_ids, attention_mask, labels
 
 
+def collate_packed(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The examples packed without padding (forward.PackedRows): (input_ids, position_ids, labels),
+    each (R, width), R <= B; labels as `collate`'s (a row's padding and each example's last token
+    are no target, so no example's loss reads another's tokens)."""
+    from rlpipe.stages.common.forward import PackedRows
+
+    rows = PackedRows([e.input_ids for e in examples], pad_id)
+    labels = torch.full(rows.input_ids.shape, IGNORE, dtype=torch.long)
+    for b, e in enumerate(examples):
+        n, row, at = len(e.input_ids), rows.row_of[b], rows.start_of[b]
+        ids = torch.tensor(e.input_ids, dtype=torch.long)
+        tgt = torch.tensor(e.target[1:], dtype=torch.bool)
+        labels[row, at: at + n - 1] = torch.where(tgt, ids[1:], torch.full_like(ids[1:], IGNORE))
+    return rows.input_ids, rows.position_ids, labels
+
+
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor, num_global_targets: int,
              world_size: int = 1) -> torch.Tensor:
     """Summed target cross-entropy, normalised by the global target count (see module doc).

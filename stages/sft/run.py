@@ -24,6 +24,7 @@ from rlpipe.schemas import (
 from rlpipe.schemas.config import ConfigError
 from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.staging import staged_directory
+from rlpipe.stages.common.forward import packs
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.sft.config import SFTConfig
 
@@ -78,15 +79,20 @@ def run(config: SFTConfig, start: StageStart) -> Manifest:
         lr_lambda=lambda s: core.lr_factor(s, steps, config.warmup_steps, config.lr_schedule),
     )
     rows: list[tuple[int, str, float]] = []
+    packed = config.packing and packs(model)
     with progress("sft", steps, enabled=rank == 0) as advance:
         for step, idx in enumerate(schedule):
             batch = [examples[i] for i in idx]
             n_targets = sum(e.num_targets for e in batch)  # global: every rank sees the whole batch
-            input_ids, attention_mask, labels = core.collate(batch[rank * micro:(rank + 1) * micro],
-                                                             tokenizer.pad_token_id)
+            mine = batch[rank * micro:(rank + 1) * micro]
+            if packed:  # (no padding: position ids restart at each example, forward.PackedRows)
+                input_ids, position_ids, labels = core.collate_packed(mine, tokenizer.pad_token_id)
+                layout = {"position_ids": position_ids.to(engine.device), "use_cache": False}
+            else:
+                input_ids, attention_mask, labels = core.collate(mine, tokenizer.pad_token_id)
+                layout = {"attention_mask": attention_mask.to(engine.device)}
             lr = engine.get_lr()[0]
-            logits = engine(input_ids=input_ids.to(engine.device),
-                            attention_mask=attention_mask.to(engine.device)).logits
+            logits = engine(input_ids=input_ids.to(engine.device), **layout).logits
             loss = core.sft_loss(logits, labels.to(engine.device), n_targets, world)
             engine.backward(loss)
             engine.step()

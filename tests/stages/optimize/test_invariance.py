@@ -1,7 +1,10 @@
 """One optimisation step is the same however its rows are split into ranks and micro-batches.
 
 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches (torchrun, 2 CPU processes, gloo) ==
-1 rank x 1 micro-batch of the same global batch, for ZeRO 0, 2 and 3: parameters within 1e-5 and
+1 rank x 1 micro-batch of the same global batch == 1 rank with micro-batches cut by a token budget
+B == 2 ranks with budget B/2 (as many micro-batches on both ranks, their number varying by step),
+for ZeRO 0, 2 and 3, every forward packed (padding-free): parameters within 16 ulps where Adam's
+update is well conditioned and
 the same global gradient norm, loss and KL (the gradient norm catches a wrong loss scale, which
 Adam's first update would hide). Every run takes its log-probs 3 tokens of logits at a time
 (`logprob_chunk_tokens`: several chunks per micro-batch, each recomputed in the backward, under
@@ -21,6 +24,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rlpipe.cluster.launch import free_port, local_env, stage_command, torchrun_executable
+from rlpipe.schemas import read_table_artifact
 from rlpipe.stages.optimize.run import run
 
 STAGES = (0, 2, 3)
@@ -37,16 +41,25 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, 
     artifacts = build(tmp_path, tiny_tokenizer, environment=environment)
     # two optimizer steps of 8 rows each (minibatch 8 of 16 rows), grad clipping active
     common = dict(lr=1e-3, minibatch_size=8, epochs=1, grad_clip=1.0, logprob_chunk_tokens=3)
+    # the token budget: about 2.5 rows of the longest, so a step's 8 rows take 3 to 6 micro-batches
+    rollouts = read_table_artifact(artifacts["rollouts"])
+    budget = 5 * max(len(p) + len(r) for p, r in zip(rollouts.column("prompt_token_ids").to_pylist(),
+                                                      rollouts.column("response_token_ids").to_pylist(), strict=True)) // 2
     configs = {}
     for z in STAGES:
         configs[(z, "1x4")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_1x4", zero_stage=z, micro_batch_size=2, **common)
         configs[(z, "1x1")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_1x1", zero_stage=z, micro_batch_size=8, **common)
         configs[(z, "2x2")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_2x2", zero_stage=z, micro_batch_size=2, **common)
+        configs[(z, "1xB")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_1xB", zero_stage=z, micro_batch_size=8,
+                                          max_tokens_per_micro_batch=budget, **common)
+        configs[(z, "2xB/2")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_2xB2", zero_stage=z,
+                                            micro_batch_size=8, max_tokens_per_micro_batch=budget // 2, **common)
     yamls = []
-    for z in STAGES:
-        path = tmp_path / f"z{z}_2x2.yaml"
-        path.write_text(yaml.safe_dump(configs[(z, "2x2")].resolved()))
-        yamls.append(str(path))
+    for (z, split), config in configs.items():
+        if split.startswith("2x"):
+            path = tmp_path / f"z{z}_{split.replace('/', '')}.yaml"
+            path.write_text(yaml.safe_dump(config.resolved()))
+            yamls.append(str(path))
     cmd = stage_command("optimize", nproc_per_node=2, master_port=free_port())
     # the same launcher line, with the driver script in place of `-m rlpipe.stages.optimize`
     cmd = [torchrun_executable(), *cmd[1:cmd.index("-m")], str(DRIVER), *yamls]
@@ -54,23 +67,33 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), os.getcwd()]))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for (_, split), cfg in configs.items():  # the 1-rank runs overlap the 2-rank job
-        if split != "2x2":
+        if not split.startswith("2x"):
             run(cfg)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
 
     for z in STAGES:
-        params = {split: load_file(configs[(z, split)].output / "model.safetensors") for split in ("1x4", "2x2", "1x1")}
+        splits = ("1x4", "2x2", "1xB", "2xB/2")
+        params = {split: load_file(configs[(z, split)].output / "model.safetensors") for split in (*splits, "1x1")}
         metrics = {split: read_metrics(configs[(z, split)].metrics_output) for split in params}
         start = load_file(Path(tiny_policy_dir) / "model.safetensors")
+        # Adam moves a parameter by lr per step where its gradient is far above eps (1e-8), whatever
+        # the gradient's last bits: there the splits must agree to a few ulps of the parameters
+        # (16 ulps of 1.0). Where the gradient is near eps, Adam's g / (|g| + eps) turns last-bit
+        # differences of g into differences of the update; those parameters (the ones that moved
+        # less than lr over the two steps) are left to the gradient norms compared below.
+        conditioned = compared = 0
         for name, ref in params["1x1"].items():
             assert not (ref == start[name]).all() or "norm" in name, f"{name} did not move"
-            for split in ("1x4", "2x2"):
-                diff = (params[split][name] - ref).abs().max().item()
-                assert diff <= 1e-5, f"ZeRO {z} {split} vs 1x1: {name} differs by {diff}"
+            moved = (ref - start[name]).abs() >= common["lr"]
+            conditioned, compared = conditioned + int(moved.sum()), compared + moved.numel()
+            for split in splits:
+                diff = (params[split][name] - ref)[moved].abs().max().item() if moved.any() else 0.0
+                assert diff <= 16 * 2.0 ** -23, f"ZeRO {z} {split} vs 1x1: {name} differs by {diff}"
+        assert conditioned > compared / 2, (conditioned, compared)  # (most parameters are compared)
         for step in (1, 2):
             for name in ("grad_norm", "loss", "approx_kl", "entropy", "tokens"):
-                for split in ("1x4", "2x2"):
+                for split in splits:
                     assert metrics[split][step][name] == pytest.approx(metrics["1x1"][step][name], rel=1e-5, abs=1e-7), (
                         z, split, step, name)
         assert metrics["2x2"][1]["ratio_min"] == metrics["2x2"][1]["ratio_max"] == 1.0
