@@ -108,8 +108,10 @@ $(LOWEST_STAMP): pyproject.toml constraints/cpu.txt | $(UV)
 
 ## test-lowest: the fast suite (as test-fast) in .venv-lowest, built with uv's
 ## `--resolution lowest-direct`: each direct dependency at the lowest version its bound allows
+# (its DeepSpeed builds its CPU communication op into a folder of its own: the op built by another
+# DeepSpeed version in the shared ~/.cache/torch_extensions would be loaded by the other suite)
 test-lowest: $(LOWEST_STAMP)
-	$(LOWEST_PY) -m pytest -q -m "not slow and not integration and not gpu"
+	TORCH_EXTENSIONS_DIR=$(abspath $(LOWEST_VENV))/torch_extensions $(LOWEST_PY) -m pytest -q -m "not slow and not integration and not gpu"
 
 ## check-gpu-install: resolve `rlpipe[vllm]` for Linux x86-64 (the CUDA torch vLLM pins) without
 ## installing anything (metadata only); fails when pyproject.toml's bounds exclude vLLM's pins

@@ -405,6 +405,7 @@ def _load_config(cls: type[C], path: Path | str | None, overrides: Sequence[str]
     if path is None:
         return config
     folder = Path(path).parent
+    hub_inputs = {name for name, marker in cls.input_fields().items() if marker.kind in ("checkpoint", "file")}
 
     def rebase(loc: tuple[str | int, ...], value: Path) -> Path:
         written = _at(from_file, loc)
@@ -412,8 +413,10 @@ def _load_config(cls: type[C], path: Path | str | None, overrides: Sequence[str]
         if not came_from_file or value.is_absolute():
             return value
         rebased = Path(os.path.normpath(folder / value))
-        # a Hub id written in the file (org/name[@revision]) stays one unless the folder has it
-        return value if not rebased.exists() and hub_reference(value) is not None else rebased
+        # a Hub id written in the file for what may be one (a checkpoint, a data file to import:
+        # org/name[@revision]) stays one unless the file's folder holds such a path
+        hub = loc[0] in hub_inputs or (loc[0] == "components" and loc[-1] == "checkpoint")
+        return value if hub and not rebased.exists() and hub_reference(value) is not None else rebased
 
     # Validate again: checks that compare paths (an output apart from the inputs) see the real ones.
     return parse_config(cls, map_paths(config, rebase).model_dump(), source)
