@@ -24,13 +24,23 @@ def load_preset(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         if not builtin.is_file():
             raise ConfigError(f"no preset named {str(name_or_path)!r}; built-in: {builtin_presets()}")
         path = builtin
-    data = apply_overrides(load_yaml(path), list(overrides))
+    data = apply_overrides(_your_prompts_replace_the_task(load_yaml(path), overrides), list(overrides))
     preset = parse_config(Preset, data, str(path))
     check_preference_source(preset, str(path))
     # Every stage config of the set-up and the first iteration, with the paths of the default run
     # directory (paths only decide which inputs are given): a bad knob fails here.
     Plan(preset, RunLayout(Path("runs") / preset.name), source=str(path)).validate()
     return preset
+
+
+def _your_prompts_replace_the_task(spec: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """`data.prompts=FILE` on the command line of a preset that generates its prompts (data.task,
+    as the built-in ones do) trains on FILE instead: the task goes, unless the overrides set it too."""
+    keys = [o.partition("=")[0].strip() for o in overrides]
+    given = any(k == "data.prompts" for k in keys) and not any(k == "data.task" or k.startswith("data.task.") for k in keys)
+    if given and isinstance(spec.get("data"), dict) and spec["data"].get("task") is not None:
+        spec = {**spec, "data": {k: v for k, v in spec["data"].items() if k != "task"}}
+    return spec
 
 
 def check_preference_source(preset: Preset, source: str) -> None:

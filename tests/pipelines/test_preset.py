@@ -227,3 +227,18 @@ def test_a_gguf_base_model_is_imported_into_the_run_first(tmp_path):
     assert rollout.name == "rollout" and rollout.config.checkpoint == layout.model("base")
     # a checkpoint directory stays as it is
     assert Plan(load_preset("grpo", [f"model.base={tmp_path}", "sft=null"]), layout).base_policy() == tmp_path
+
+
+def test_your_prompts_on_the_command_line_replace_a_builtin_presets_task(tmp_path, tiny_policy_dir):
+    """`rlpipe run grpo model.base=CKPT data.prompts=FILE`: the preset's generated task goes (no
+    `data.task=null` needed); set together with data.task, both stay and the preset says so."""
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.schemas.config import ConfigError
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    preset = load_preset("grpo", [f"model.base={tiny_policy_dir}", f"data.prompts={prompts}"])
+    assert preset.data.task is None and preset.data.prompts == prompts
+    assert load_preset("grpo").data.task is not None  # (the preset itself unchanged)
+    with pytest.raises(ConfigError, match="set exactly one of data.task"):
+        load_preset("grpo", [f"model.base={tiny_policy_dir}", f"data.prompts={prompts}", "data.task.n_train=10"])
