@@ -94,15 +94,17 @@ def _optimize(run_dir: Path, out: Path, packing: bool) -> float:
 
 
 def _reference(run_dir: Path, out: Path, packing: bool) -> float:
-    from rlpipe.schemas.config import parse_config
+    from rlpipe.schemas.config import load_config, parse_config
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.reference.config import ReferenceConfig
     from rlpipe.stages.reference.run import run
+    from rlpipe.stages.rollout.config import RolloutConfig
 
-    start = run_dir / "models" / ("sft" if (run_dir / "models" / "sft").is_dir() else "base")
+    # the starting policy: what iteration 0's rollout sampled from
+    start = load_config(RolloutConfig, run_dir / "iter_0000" / "configs" / "rollout.yaml").checkpoint
     load_model(start)  # (loaded before the clock starts: the stage takes it from the cache)
     config = parse_config(ReferenceConfig, {"rollouts": run_dir / "iter_0000" / "rollouts", "reference_model": start,
-                                            "output": out / "reference", "packing": packing, "batch_size": 8})
+                                            "output": out / "reference", "packing": packing})
     began = time.perf_counter()
     run(config, force=True)
     return time.perf_counter() - began

@@ -134,24 +134,23 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
 
 
 class PackedRows:
-    """Token sequences laid back to back in rows as wide as the longest (first-fit decreasing:
-    padding only at a row's end), position ids restarting at each sequence and at a row's
-    trailing padding (a segment of its own): what transformers reads as packed sequences.
-    Attention (dense on CPU) costs each row width^2, never more than padding the rows would.
+    """Token sequences laid back to back in rows as wide as the longest, or up to twice that where
+    it leaves fewer positions empty (first-fit decreasing: padding only at a row's end), position
+    ids restarting at each sequence and at a row's trailing padding (a segment of its own): what
+    transformers reads as packed sequences. Attention (dense on CPU) costs each row width^2: at
+    most twice what padding the rows would cost, and one row of every token would cost the square
+    of their sum.
 
     Shapes: input_ids, position_ids (R, width); row_of, start_of: one per sequence."""
 
     def __init__(self, sequences: Sequence[Sequence[int]], pad_id: int):
         lengths = [len(q) for q in sequences]
-        width = max(lengths, default=0)
-        fill: list[int] = []
-        self.row_of, self.start_of = [0] * len(sequences), [0] * len(sequences)
-        for b in sorted(range(len(sequences)), key=lambda b: (-lengths[b], b)):
-            r = next((r for r, used in enumerate(fill) if used + lengths[b] <= width), len(fill))
-            if r == len(fill):
-                fill.append(0)
-            self.row_of[b], self.start_of[b] = r, fill[r]
-            fill[r] += lengths[b]
+        longest = max(lengths, default=0)
+        # rows as wide as the longest sequence, or up to twice that where fewer positions are left
+        # empty (first-fit leaves a row's end empty when no sequence fits it): 17 widths tried
+        widths = sorted({longest + longest * k // 16 for k in range(17)})
+        width, (self.row_of, self.start_of, fill) = min(
+            ((w, _first_fit(lengths, w)) for w in widths), key=lambda c: (len(c[1][2]) * c[0], c[0]))
         self.input_ids = torch.full((len(fill), width), pad_id, dtype=torch.long)
         self.position_ids = torch.zeros((len(fill), width), dtype=torch.long)
         for b, q in enumerate(sequences):
@@ -160,6 +159,20 @@ class PackedRows:
             self.position_ids[row, at: at + lengths[b]] = torch.arange(lengths[b])
         for row, used in enumerate(fill):
             self.position_ids[row, used:] = torch.arange(width - used)
+
+
+def _first_fit(lengths: list[int], width: int) -> tuple[list[int], list[int], list[int]]:
+    """First-fit decreasing of sequences of `lengths` into rows of `width`: (row of each, start of
+    each, each row's fill)."""
+    fill: list[int] = []
+    row_of, start_of = [0] * len(lengths), [0] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda b: (-lengths[b], b)):
+        r = next((r for r, used in enumerate(fill) if used + lengths[b] <= width), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        row_of[b], start_of[b] = r, fill[r]
+        fill[r] += lengths[b]
+    return row_of, start_of, fill
 
 
 def _packed(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
