@@ -190,7 +190,7 @@ def run_stage(name: str, config: Any, *, force: bool = False, debug: bool = Fals
     started = time.perf_counter()
     with exit_on_signals(f"stage {name}"):
         try:
-            config = resolve_hub_inputs(config)  # (a checkpoint given as a Hub id: its snapshot)
+            config = resolve_hub_inputs(config)  # (a checkpoint or data file given as a Hub id: its snapshot)
             manifest = stage.run(config, force=force)
         except Exception as e:
             discard_open_staging()  # nothing partial stays behind

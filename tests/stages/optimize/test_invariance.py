@@ -3,7 +3,7 @@
 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches (torchrun, 2 CPU processes, gloo) ==
 1 rank x 1 micro-batch of the same global batch == 1 rank with micro-batches cut by a token budget
 B == 2 ranks with budget B/2 (as many micro-batches on both ranks, their number varying by step),
-for ZeRO 0, 2 and 3, every forward packed (padding-free): parameters within 16 ulps where Adam's
+for ZeRO 0, 2 and 3 (and the budgets for every other loss aggregation), every forward packed: parameters within 16 ulps where Adam's
 update is well conditioned and
 the same global gradient norm, loss and KL (the gradient norm catches a wrong loss scale, which
 Adam's first update would hide). Every run takes its log-probs 3 tokens of logits at a time
@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from rlpipe.cluster.launch import free_port, local_env, stage_command, torchrun_executable
 from rlpipe.schemas import read_table_artifact
+from rlpipe.stages.optimize.losses import AGG_MODES
 from rlpipe.stages.optimize.run import run
 
 STAGES = (0, 2, 3)
@@ -54,6 +55,12 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, 
                                           max_tokens_per_micro_batch=budget, **common)
         configs[(z, "2xB/2")] = make_config(tmp_path, artifacts, tiny_policy_dir, f"z{z}_2xB2", zero_stage=z,
                                             micro_batch_size=8, max_tokens_per_micro_batch=budget // 2, **common)
+    # every other loss aggregation, cut by tokens (ZeRO 0): its denominators are the step's global counts too
+    for agg in AGG_MODES[1:]:
+        for split, knobs in (("1x1", {}), ("1xB", {"max_tokens_per_micro_batch": budget}),
+                             ("2xB/2", {"max_tokens_per_micro_batch": budget // 2})):
+            configs[(agg, split)] = make_config(tmp_path, artifacts, tiny_policy_dir, f"{agg}_{split.replace('/', '')}",
+                                                micro_batch_size=8, agg_mode=agg, **knobs, **common)
     yamls = []
     for (z, split), config in configs.items():
         if split.startswith("2x"):
@@ -72,8 +79,8 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, 
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
 
-    for z in STAGES:
-        splits = ("1x4", "2x2", "1xB", "2xB/2")
+    for z in (*STAGES, *AGG_MODES[1:]):
+        splits = ("1x4", "2x2", "1xB", "2xB/2") if z in STAGES else ("1xB", "2xB/2")
         params = {split: load_file(configs[(z, split)].output / "model.safetensors") for split in (*splits, "1x1")}
         metrics = {split: read_metrics(configs[(z, split)].metrics_output) for split in params}
         start = load_file(Path(tiny_policy_dir) / "model.safetensors")
@@ -96,8 +103,8 @@ def test_ranks_and_micro_batches_give_the_same_update(tmp_path, tiny_tokenizer, 
                 for split in splits:
                     assert metrics[split][step][name] == pytest.approx(metrics["1x1"][step][name], rel=1e-5, abs=1e-7), (
                         z, split, step, name)
-        assert metrics["2x2"][1]["ratio_min"] == metrics["2x2"][1]["ratio_max"] == 1.0
-        assert metrics["2x2"][1]["clip_fraction"] == 0.0
+        assert metrics[splits[-1]][1]["ratio_min"] == metrics[splits[-1]][1]["ratio_max"] == 1.0
+        assert metrics[splits[-1]][1]["clip_fraction"] == 0.0
     # and the ZeRO stages agree with each other (ZeRO-3 gathers its partitions before saving)
     base = load_file(configs[(0, "1x1")].output / "model.safetensors")
     for z in STAGES[1:]:
