@@ -88,9 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = GroupDir(a.group.absolute())
     member, members = identity(a.member, a.members)
     stage = group.info["stage"]
-    # the members of a sharded stage are workers of their own, each with its own log; the ranks of
-    # one job share theirs, where rank 0 speaks for them
-    configure_logging(all_ranks=get_stage(stage).scaling != "ranks")
+    # every member, a rank of one job too, writes its orders' output to a log of its own
+    configure_logging(all_ranks=True)
     group.member_started(member, {**this_process(), "time": time.time()})
     _log.info(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} on host {socket.gethostname()} serving {group.path}")
     threading.Thread(target=_watchdog, args=(group, member), daemon=True, name="rlpipe-watchdog").start()

@@ -75,8 +75,8 @@ def parse_level(value: str) -> int:
 def configure_logging(level: str | None = None, *, all_ranks: bool = False) -> logging.Logger:
     """Set up the `rlpipe` logger for a command-line process (see the module's doc); idempotent.
     `level`: --log-level's value (None: RLPIPE_LOG_LEVEL, else INFO). `all_ranks`: a process whose
-    RANK is not 0 logs at that level too (a resident member of a sharded stage: a worker of its
-    own, with a log of its own, which a launcher may have given a RANK all the same)."""
+    RANK is not 0 logs at that level too (a resident worker: each member, a rank of one job
+    included, writes its orders' output to a log of its own)."""
     name = (level or os.environ.get(LEVEL_ENV) or "INFO").upper()
     number = parse_level(name)
     os.environ[LEVEL_ENV] = name  # (inherited by what this process launches)
