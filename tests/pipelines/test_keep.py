@@ -158,7 +158,10 @@ def test_async_state_every_3_without_tables_prunes_resumes_after_a_kill_and_exte
     deadline = time.monotonic() + 300
     while not (hold.is_file() and (run_dir / "iter_0005" / "advantages" / "_manifest.json").is_file()
                and (run_dir / "iter_0002" / "rollouts" / PRUNED_NAME).is_file()):
-        assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0]
+        if killed.poll() is not None or time.monotonic() > deadline:
+            killed.kill()  # (held at the pause, it would never end by itself)
+            raise AssertionError(f"not at the kill point within 300 s (held: {hold.is_file()}):\n"
+                                 f"{killed.communicate()[0][-3000:]}")
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     before_kill = killed.communicate()[0]

@@ -5,6 +5,7 @@ new one for the group the driver starts in its place."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -93,7 +94,8 @@ def _shared_files() -> set[Path]:
 
 @pytest.mark.slow  # (three processes importing torch)
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "broadcast"])
-def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, capfd):
+def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, caplog):
+    caplog.set_level(logging.INFO, logger="rlpipe")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     members = [_start(ctx, tmp_path, "rollout-a", m, ["policy_1", "policy_2"], results) for m in range(2)]
@@ -117,14 +119,15 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, ca
     assert Address.read(tmp_path).generation == 1  # one generation served both
     # the members of this machine took the shared-memory path when offered it, and no file is left
     assert sender.local == shared_memory and not _shared_files()
-    assert capfd.readouterr().out.count("(shared memory)") == (2 if shared_memory else 0)
+    assert caplog.text.count("(shared memory)") == (2 if shared_memory else 0)  # (the sender's log lines)
     sender.close()
     for p in members:
         p.join(TIMEOUT_S)
 
 
 @pytest.mark.slow
-def test_a_member_killed_mid_receive_breaks_one_generation(tmp_path, capfd):
+def test_a_member_killed_mid_receive_breaks_one_generation(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rlpipe")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     dying = _start(ctx, tmp_path, "rollout-a", 1, ["policy_1"], results, die_after_buckets=1)
@@ -140,7 +143,7 @@ def test_a_member_killed_mid_receive_breaks_one_generation(tmp_path, capfd):
     (tmp_path / "policy_1").mkdir()
     (tmp_path / "policy_1" / "_manifest.json").write_text(manifest.model_dump_json())
     assert results.get(timeout=TIMEOUT_S) == (0, "policy_1", None)
-    out = capfd.readouterr().out
+    out = caplog.text
     assert out.count("sending") == 1 and "the rollout members read its file" in out
     # the driver starts the group anew (a group folder of its own): its members join a new generation
     new_group = [_start(ctx, tmp_path, "rollout-b", m, ["policy_2"], results) for m in range(2)]
@@ -175,7 +178,7 @@ def test_a_file_that_does_not_match_its_manifest_is_refused(corrupt, capsys):
 
 
 @pytest.mark.slow
-def test_a_member_killed_before_it_maps_the_shared_file(tmp_path, capfd):
+def test_a_member_killed_before_it_maps_the_shared_file(tmp_path):
     """The sender does not wait on the members of the shared-memory path: a member killed as it maps
     the file costs the send nothing; the survivor takes the policy; the file goes at the next send
     (the last member to map a file removes it: here the dead one never does)."""
