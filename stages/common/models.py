@@ -195,8 +195,11 @@ def shared_tokenizer(path: Path | str) -> Any:
     """The tokenizer of checkpoint `path` (`load_tokenizer`), built once per architecture in this
     process (a policy saved every iteration keeps its tokenizer files): read-only, like the cached
     models. Building one costs ~5 ms for a tiny tokenizer, 0.1-1 s for a real model's."""
+    from rlpipe.schemas.pending import wait_until_written
     from rlpipe.stages.common.tiny import load_tokenizer
 
+    # (a checkpoint still written in the background, here or by another rank: its files first)
+    wait_until_written(path)
     key = f"{architecture(path)} trust_remote_code={current().trust_remote_code}"
     if key not in MODELS.tokenizers:
         if len(MODELS.tokenizers) >= _MAX_ENTRIES:
