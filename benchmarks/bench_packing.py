@@ -23,6 +23,7 @@ JSON: {"<job>": {"padding_fraction": {"padded": x, "packed": y}, "speedup": s, "
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -117,7 +118,7 @@ def measure(job: str, repeats: int, root: Path) -> dict[str, Any]:
     for r in range(repeats):
         for variant in ("padded", "packed"):
             out = root / f"{job}-{variant}-{r}"
-            with counts[variant] if r == 0 else _Nothing():
+            with counts[variant] if r == 0 else contextlib.nullcontext():
                 seconds["optimize"][variant].append(_optimize(run_dir, out, variant == "packed"))
                 seconds["reference"][variant].append(_reference(run_dir, out, variant == "packed"))
     median = {stage: {v: statistics.median(x) for v, x in by.items()} for stage, by in seconds.items()}
@@ -125,14 +126,6 @@ def measure(job: str, repeats: int, root: Path) -> dict[str, Any]:
     return {"padding_fraction": {v: round(c.fraction, 4) for v, c in counts.items()},
             "speedup": round(total["padded"] / total["packed"], 3),
             "seconds": {stage: {v: round(s, 3) for v, s in by.items()} for stage, by in median.items()}}
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,14 +10,14 @@ the logits at position P_b + t - 1 (the position that predicts it):
 Outputs are left-aligned per response, shape (B, T) with T = max_b T_b, and `mask[b, t] = 1` on
 real response tokens. Right padding needs no position ids (pads come after every real token).
 
-Packed (`pack(..., packed=True)`): the B sequences lie back to back in R <= B rows as wide as the
-longest (first-fit decreasing: padding only at a row's end), position ids restarting at 0 at each
-sequence; transformers reads restarting position ids with no attention mask as packed sequences
-and confines attention to each (a block-diagonal causal mask for sdpa / eager / flex,
-flash-attention's variable-length kernel), so every sequence's logits are those of its own
-forward. Rows no wider than the padded layout's keep dense attention (CPU, sdpa) at most its cost:
-one row of every token would cost (sum_b L_b)^2. The outputs keep their (B, T) shape: `rows[b]`
-and `positions[b, t]` say where each response position is.
+Packed (`pack(..., packed=True)`): the B sequences lie back to back in R <= B rows (`PackedRows`:
+as wide as the longest, or up to twice that where fewer positions stay empty; padding only at a
+row's end), position ids restarting at 0 at each sequence; transformers reads restarting position
+ids with no attention mask as packed sequences and confines attention to each (a block-diagonal
+causal mask for sdpa / eager / flex, flash-attention's variable-length kernel), so every
+sequence's logits are those of its own forward. Dense attention (CPU, sdpa) costs each row
+width^2, at most twice the padded layout's; one row of every token would cost (sum_b L_b)^2. The
+outputs keep their (B, T) shape: `rows[b]` and `positions[b, t]` say where each response position is.
 
 Memory (`response_stats`): the model's forward keeps one position's logits (`logits_to_keep=1`);
 the LM head is applied to the response positions' final hidden states only, `chunk_tokens` tokens
@@ -42,7 +42,7 @@ from rlpipe.stages.common import LOGPROB_CHUNK_TOKENS
 
 #: Architectures whose forward reads restarting position ids without an attention mask as packed
 #: sequences (transformers' masking_utils), checked packed against padded on tiny checkpoints of
-#: each (tests/stages/test_packing.py). OPT (positions from the mask's running sum) and Bloom
+#: each (tests/stages/common/test_packing.py). OPT (positions from the mask's running sum) and Bloom
 #: (ALiBi from the mask) are not; an architecture not listed is padded.
 PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox",
                                 "qwen2_moe", "mixtral", "olmoe"})
@@ -100,14 +100,12 @@ class PackedBatch:
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
          sampled: Sequence[Sequence[float]] | None = None, *, packed: bool = False) -> PackedBatch:
     """Concatenate each prompt with its response and right-pad to one length, or (`packed`) lay
-    them back to back in one row without padding (see the module doc).
+    them back to back in rows without padding but a row's end (`PackedRows`, the module doc).
 
     `sampled` (episodes): per response token 1 where the model sampled it, 0 where an environment
     wrote it; `mask` is then 0 on the environment's tokens too, so that no log-prob, entropy or
     loss term is taken over them (they stay in the input: later tokens are conditioned on them).
     """
-    if packed:
-        return _packed(prompts, responses, pad_id, sampled)
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
@@ -115,22 +113,33 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     B = len(prompts)
     P = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     T_b = torch.tensor([len(r) for r in responses], dtype=torch.long)
-    L = int((P + T_b).max()) if B else 0
     T = int(T_b.max()) if B else 0
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
     response_ids = torch.zeros((B, T), dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        seq = list(p) + list(r)
-        input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[b, : len(seq)] = 1
+    for b, r in enumerate(responses):
         if len(r):
             response_ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
     t = torch.arange(T).unsqueeze(0)
     mask = (t < T_b.unsqueeze(1)).float()
-    positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
-    _mask_sampled(mask, sampled)
-    return PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b, torch.arange(B))
+    sequences = [[*p, *r] for p, r in zip(prompts, responses, strict=True)]
+    if packed:
+        rows = PackedRows(sequences, pad_id)
+        starts = torch.tensor(rows.start_of, dtype=torch.long)
+        positions = (starts.unsqueeze(1) + P.unsqueeze(1) + t - 1) * mask.long()
+        batch = PackedBatch(rows.input_ids, None, positions, mask, response_ids, P, T_b,
+                            torch.tensor(rows.row_of, dtype=torch.long), rows.position_ids)
+    else:
+        L = int((P + T_b).max()) if B else 0
+        input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, L), dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[b, : len(seq)] = 1
+        positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
+        batch = PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b, torch.arange(B))
+    if sampled is not None:
+        for b, m in enumerate(sampled):
+            mask[b, : len(m)] *= torch.as_tensor(np.asarray(m, dtype=np.float32))
+    return batch
 
 
 class PackedRows:
@@ -173,34 +182,6 @@ def _first_fit(lengths: list[int], width: int) -> tuple[list[int], list[int], li
         row_of[b], start_of[b] = r, fill[r]
         fill[r] += lengths[b]
     return row_of, start_of, fill
-
-
-def _packed(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-            sampled: Sequence[Sequence[float]] | None) -> PackedBatch:
-    B = len(prompts)
-    P = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    T_b = torch.tensor([len(r) for r in responses], dtype=torch.long)
-    T = int(T_b.max()) if B else 0
-    rows = PackedRows([[*p, *r] for p, r in zip(prompts, responses, strict=True)], pad_id)
-    row_of, start_of = rows.row_of, rows.start_of
-    input_ids, position_ids = rows.input_ids, rows.position_ids
-    response_ids = torch.zeros((B, T), dtype=torch.long)
-    for b, r in enumerate(responses):
-        if len(r):
-            response_ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    t = torch.arange(T).unsqueeze(0)
-    mask = (t < T_b.unsqueeze(1)).float()
-    starts = torch.tensor(start_of, dtype=torch.long)
-    positions = (starts.unsqueeze(1) + P.unsqueeze(1) + t - 1) * mask.long()
-    _mask_sampled(mask, sampled)
-    return PackedBatch(input_ids, None, positions, mask, response_ids, P, T_b, torch.tensor(row_of, dtype=torch.long),
-                       position_ids)
-
-
-def _mask_sampled(mask: torch.Tensor, sampled: Sequence[Sequence[float]] | None) -> None:
-    if sampled is not None:
-        for b, m in enumerate(sampled):
-            mask[b, : len(m)] *= torch.as_tensor(np.asarray(m, dtype=np.float32))
 
 
 def gather_positions(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

@@ -121,12 +121,16 @@ def collate(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, tor
     labels = torch.full((B, L), IGNORE, dtype=torch.long)
     for b, e in enumerate(examples):
         n = len(e.input_ids)
-        ids = torch.tensor(e.input_ids, dtype=torch.long)
-        input_ids[b, :n] = ids
+        input_ids[b, :n] = torch.tensor(e.input_ids, dtype=torch.long)
         attention_mask[b, :n] = 1
-        tgt = torch.tensor(e.target[1:], dtype=torch.bool)
-        labels[b, : n - 1] = torch.where(tgt, ids[1:], torch.full_like(ids[1:], IGNORE))
+        labels[b, : n - 1] = _shifted_labels(e)
     return input_ids, attention_mask, labels
+
+
+def _shifted_labels(e: Example) -> torch.Tensor:
+    """(len - 1,): label i = token i+1 where it is a target, else IGNORE."""
+    ids = torch.tensor(e.input_ids, dtype=torch.long)
+    return torch.where(torch.tensor(e.target[1:], dtype=torch.bool), ids[1:], torch.full_like(ids[1:], IGNORE))
 
 
 def collate_packed(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,10 +142,8 @@ def collate_packed(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tens
     rows = PackedRows([e.input_ids for e in examples], pad_id)
     labels = torch.full(rows.input_ids.shape, IGNORE, dtype=torch.long)
     for b, e in enumerate(examples):
-        n, row, at = len(e.input_ids), rows.row_of[b], rows.start_of[b]
-        ids = torch.tensor(e.input_ids, dtype=torch.long)
-        tgt = torch.tensor(e.target[1:], dtype=torch.bool)
-        labels[row, at: at + n - 1] = torch.where(tgt, ids[1:], torch.full_like(ids[1:], IGNORE))
+        at = rows.start_of[b]
+        labels[rows.row_of[b], at: at + len(e.input_ids) - 1] = _shifted_labels(e)
     return rows.input_ids, rows.position_ids, labels
 
 
