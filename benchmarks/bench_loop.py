@@ -20,8 +20,14 @@ iteration k in the driver's process, so machine load hits both alike. A pipeline
 is the wall time from the end of the previous plain iteration to the pipeline's per-iteration
 callback, i.e. everything the runner does for that iteration. Its last iteration also runs the
 final held-out evaluation, so it is run but left out; so are the first `--warmup` iterations (lazy
-imports, first engine build). The reported figures are medians over the rest. Everything runs at
-one torch thread.
+imports, first engine build). The reported figures are medians over the rest. Every process runs
+`--threads` torch threads (1: the CPU figures).
+
+On a GPU both run there: the pipeline's stages pick CUDA by themselves (optimize in bf16 with fp32
+masters, the transformers rollout engine in fp32; resident rollout and optimize take GPU 0 by
+turns), and the plain loop samples in fp32 and trains under bf16 autocast over fp32 weights (its
+AdamW's weights are the masters). `gpu_busy` is then the share of each iteration GPU 0 ran a kernel
+(`gpu_busy.py`, NVML), for each side.
 
 The pipeline's seconds are split into `stages` (rollout, score, advantage, reference with their
 artifacts' IO, plus optimize's forward/backward passes and old log-probs: the work the plain loop
@@ -53,6 +59,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gpu_busy import GpuBusy  # noqa: E402
 
 
 class PlainGRPO:
@@ -61,6 +68,7 @@ class PlainGRPO:
 
     def __init__(self, plan: Any):
         from rlpipe.schemas import PROMPTS, read_table_artifact
+        from rlpipe.stages.common.deepspeed import use_bf16
         from rlpipe.stages.common.tiny import load_checkpoint
         from rlpipe.stages.optimize.core import lr_factor
         from rlpipe.stages.rollout.hf_engine import TransformersEngine
@@ -77,6 +85,14 @@ class PlainGRPO:
         self.reference = load_checkpoint(start)[0] if calls.get("reference") is not None else None
         self.engine = TransformersEngine(start, calls["rollout"])
         self.engine.model = self.model  # the engine's decode loop over the plain loop's model
+        # The rollout's device (a GPU where there is one), the pipeline's too; where optimize trains
+        # in bf16 (DeepSpeed: bf16 weights, fp32 masters), the plain loop's forward and backward run
+        # under bf16 autocast over fp32 weights: the same matrix products, AdamW on fp32 as its masters.
+        self.device = self.engine.device
+        self.model.to(self.device)
+        if self.reference is not None:
+            self.reference.to(self.device)
+        self.bf16 = self.device.type == "cuda" and use_bf16(o.dtype)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
             s, o.lr_schedule, warmup_steps=o.warmup_steps, total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio))
@@ -166,16 +182,20 @@ class PlainGRPO:
                 picked = lengths[np.concatenate(micro_batches)]
                 n_tok, n_seq = float(picked.sum()), float((picked > 0).sum())
                 for rows in micro_batches:
-                    packed = pack([prompts[i] for i in rows], [responses[i] for i in rows], self.engine.pad_id)
+                    packed = pack([prompts[i] for i in rows], [responses[i] for i in rows],
+                                  self.engine.pad_id).to(self.device)
                     T = packed.mask.shape[1]
-                    logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                        logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
                     logp = response_logprobs(logits, packed)
                     if int(rows[0]) not in old:  # before the first update: old = this forward, detached
-                        old.update({int(i): logp[b, : len(responses[i])].detach().numpy().copy()
+                        old.update({int(i): logp[b, : len(responses[i])].detach().cpu().numpy().copy()
                                     for b, i in enumerate(rows)})
+                    old_b, adv_b, ref_b = (None if x is None else pad_rows(x, rows, T).to(self.device)
+                                           for x in (old, adv, ref))
                     loss, _ = policy_micro_loss(
-                        obj, logp, pad_rows(old, rows, T), pad_rows(adv, rows, T), packed.mask, token_count=n_tok,
-                        seq_count=n_seq, max_len=max_len, ref_logp=pad_rows(ref, rows, T) if ref is not None else None)
+                        obj, logp, old_b, adv_b, packed.mask, token_count=n_tok, seq_count=n_seq,
+                        max_len=max_len, ref_logp=ref_b)
                     loss.backward()
                 if o.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
@@ -184,12 +204,20 @@ class PlainGRPO:
                 self.opt.zero_grad(set_to_none=True)
 
 
-LAUNCHERS = {
-    "local": ["launch.launcher=local"],
-    "resident": ["launch.launcher=processes", "launch.resident=true", "launch.rollout.workers=1",
-                 "launch.rollout.cpus_per_task=1", "launch.optimize.ranks_per_node=1",
-                 "launch.optimize.cpus_per_task=1"],
-}
+LAUNCHERS = ("local", "resident")
+
+
+def launcher_overrides(launcher: str, threads: int) -> list[str]:
+    """`local`: every stage in the driver; `resident`: rollout and optimize on one worker each, with
+    the driver's torch threads, both on GPU 0 by turns where there is a GPU (as bench_scale.py)."""
+    if launcher == "local":
+        return ["launch.launcher=local"]
+    gpus = 1 if torch.cuda.is_available() else 0
+    return ["launch.launcher=processes", "launch.resident=true", "launch.rollout.workers=1",
+            f"launch.rollout.cpus_per_task={threads}", "launch.optimize.ranks_per_node=1",
+            f"launch.optimize.cpus_per_task={threads}",
+            *([f"launch.rollout.gpus_per_worker={gpus}", f"launch.optimize.gpus_per_node={gpus}",
+               "launch.share_gpus=[rollout,optimize]"] if gpus else [])]
 
 
 def measure(preset_name: str, overrides: list[str], iterations: int, warmup: int,
@@ -216,6 +244,7 @@ def _measure(preset: Any, overrides: list[str], iterations: int, warmup: int, to
 
     pipeline_s: dict[int, float] = {}
     plain_s: dict[int, float] = {}
+    windows: dict[str, dict[int, tuple[float, float]]] = {"pipeline": {}, "plain": {}}  # perf_counter spans
     plain: list[PlainGRPO] = []
     mark = [0.0]
 
@@ -223,15 +252,24 @@ def _measure(preset: Any, overrides: list[str], iterations: int, warmup: int, to
         now = time.perf_counter()
         if record.iteration > 0:  # iteration 0's start is inside the runner (after its set-up)
             pipeline_s[record.iteration] = now - mark[0]
+            windows["pipeline"][record.iteration] = (mark[0], now)
         if not plain:
             plain.append(PlainGRPO(pipeline.plan))  # after set-up: the starting policy exists
         t0 = time.perf_counter()
         plain[0].iteration(record.iteration)
-        plain_s[record.iteration] = time.perf_counter() - t0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the plain loop's last kernels belong to its iteration
         mark[0] = time.perf_counter()
+        plain_s[record.iteration] = mark[0] - t0
+        windows["plain"][record.iteration] = (t0, mark[0])
 
+    busy = GpuBusy() if torch.cuda.is_available() else None
     pipeline = Pipeline(preset, run_dir, log=lambda s: None, on_iteration=after_iteration)
-    records = pipeline.run()
+    try:
+        records = pipeline.run()
+    finally:
+        if busy is not None:
+            busy.stop()
 
     measured = range(warmup, total - 1)
     pipe = statistics.median(pipeline_s[k] for k in measured)
@@ -245,7 +283,10 @@ def _measure(preset: Any, overrides: list[str], iterations: int, warmup: int, to
                "bytes": statistics.median(w[0] for w in written),
                "critical_bytes": statistics.median(w[1] for w in written), "stage_s": by_stage,
                "plain_split_s": {name: statistics.median(plain[0].phases[k][name] for k in measured)
-                                 for name in plain[0].phases[0]}}
+                                 for name in plain[0].phases[0]},
+               # the share of each iteration GPU 0 ran a kernel (NVML), median over the measured ones
+               "gpu_busy": None if busy is None else {
+                   side: statistics.median(busy.share(*spans[k]) for k in measured) for side, spans in windows.items()}}
     print(f"\npreset {preset.name}: {total} iterations, measured {measured.start}..{measured.stop - 1} "
           f"(warm-up {warmup}, last one has the final evaluation); torch threads {torch.get_num_threads()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {os.cpu_count()} CPUs")
@@ -262,6 +303,9 @@ def _measure(preset: Any, overrides: list[str], iterations: int, warmup: int, to
     print("plain loop split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in figures["plain_split_s"].items()))
     print(f"bytes written per iteration: {figures['bytes'] / 1e6:.1f} MB, on the critical path "
           f"{figures['critical_bytes'] / 1e6:.1f} MB")
+    if busy is not None:
+        print(f"GPU 0 ({torch.cuda.get_device_name(0)}) busy: pipeline {figures['gpu_busy']['pipeline']:.0%} "
+              f"of its iteration, plain loop {figures['gpu_busy']['plain']:.0%}")
     return figures
 
 
@@ -321,19 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=None, help="keep the run here (default: a temporary directory, removed afterwards)")
     parser.add_argument("--sizes", nargs="+", default=None,
                         help="base_model sizes (no SFT), each in a child process; default: the preset as it is")
-    parser.add_argument("--launchers", nargs="+", default=["local"], choices=list(LAUNCHERS))
+    parser.add_argument("--launchers", nargs="+", default=["local"], choices=LAUNCHERS)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of every process (1: the CPU figures; a GPU run's CPU side may want more)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children and the resident workers too
+    torch.set_num_threads(args.threads)
     if args.child:  # one size and launcher: the figures as one JSON line last
         figures = measure(args.preset, args.overrides, args.iterations, args.warmup, args.run_dir)
         print("FIGURES " + json.dumps(figures))
         return 0
     if args.sizes is None:
-        results = {"preset": {launcher: measure(args.preset, [*LAUNCHERS[launcher], *args.overrides], args.iterations,
-                                                args.warmup, args.run_dir) for launcher in args.launchers}}
+        results = {"preset": {launcher: measure(args.preset, [*launcher_overrides(launcher, args.threads),
+                                                              *args.overrides], args.iterations, args.warmup,
+                                                args.run_dir) for launcher in args.launchers}}
     else:
         results = {size: {launcher: _child(args, size, launcher) for launcher in args.launchers} for size in args.sizes}
     print(f"\n{'size':>6} {'launcher':>9} {'pipeline s/it':>14} {'plain s/it':>11} {'ratio':>6} {'stages':>8} "
@@ -352,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _child(args: argparse.Namespace, size: str, launcher: str) -> dict[str, Any]:
     """One size and launcher in a child process (no warm state or memory carried between them)."""
-    overrides = [f"base_model.size={size}", "sft=null", *LAUNCHERS[launcher], *args.overrides]
+    overrides = [f"base_model.size={size}", "sft=null", *launcher_overrides(launcher, args.threads), *args.overrides]
     cmd = [sys.executable, __file__, "--child", "--preset", args.preset, "--iterations", str(args.iterations),
-           "--warmup", str(args.warmup), *overrides]
+           "--warmup", str(args.warmup), "--threads", str(args.threads), *overrides]
     print(f"\n== {size} {launcher}: {' '.join(overrides)}", flush=True)
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     print(done.stdout.rsplit("FIGURES ", 1)[0], end="")

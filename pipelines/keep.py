@@ -17,6 +17,11 @@ and every checkpoint after it (a resumed run replays those optimize steps when `
 and their tables with them), the set-up artifacts (models/, data/), evaluations and optimize
 metrics, and anything incomplete. An artifact goes only once the one that supersedes it is
 complete: train states count only complete ones, so one being written keeps its predecessors.
+A policy this process is still writing in the background (its manifest decided: `schemas.pending`)
+counts as the last one: killed before it lands, the run reruns its optimize from what stays for a
+complete one (its input policy, its tables, the state and replays before it), and a train state
+never lands before the policy of its iteration (background saves finish in order). So what is
+pruned after iteration k does not depend on how fast policy k reaches the disk.
 A pruned artifact leaves its record (`rlpipe.schemas.pruning`): the run resumes and extends past
 it as cache hits, and only a stage that must recompute from it fails, naming it and this section.
 
@@ -39,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlpipe.schemas.atomic import atomic_write_bytes
 from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.manifest import MANIFEST_NAME
+from rlpipe.schemas.pending import pending_manifest
 from rlpipe.schemas.pruning import PRUNED_NAME, Pruned
 from rlpipe.schemas.reading import exists, read_manifest
 from rlpipe.schemas.runs import iteration_dirs
@@ -87,7 +93,7 @@ def deletions(run_dir: Path, keep: Keep, *, staleness: int = 0) -> list[Deletion
             therefore stay.
     """
     iters = dict(iteration_dirs(run_dir))
-    done = [k for k, d in iters.items() if exists(d / "policy")]
+    done = [k for k, d in iters.items() if exists(d / "policy") or pending_manifest(d / "policy") is not None]
     if not done:
         return []
     last = max(done)

@@ -13,7 +13,10 @@ The artifact is staged and its manifest written last, as any other, so a process
 leaves nothing complete-looking and the rerun recomputes it. Whoever reads it next in this
 process waits first (`wait_for_background`: the optimize stage, before anything else; the
 pipeline at the end of a run; a resident worker before it leaves), and a failed save is raised
-there, naming the artifact. The thread is not a daemon: an interpreter that exits with a save
+there, naming the artifact. A `detached` save writes bytes it owns (a policy's host snapshot),
+so the optimize stage, which changes the engine's tensors, need not wait for it: it waits until
+at most one detached save is left (`detached_in_flight`), so a disk slower than the iteration
+holds back training instead of piling up snapshots in host memory. The thread is not a daemon: an interpreter that exits with a save
 pending finishes it first.
 
 Process-wide state: one object per process, `BACKGROUND` (a `BackgroundSaves`), owned by this
@@ -41,6 +44,8 @@ class BackgroundSaves:
         """Whether this process waits for what stages write in the background (`allow_background`)."""
         self.pending: list[threading.Thread] = []
         """The save threads not yet waited for, in the order they were handed over."""
+        self.detached: set[threading.Thread] = set()
+        """Those of `pending` whose saves own what they write (`in_background`'s `detached`)."""
         self.failed: list[tuple[str, BaseException]] = []
         """(artifact, error) of the saves that failed, until a `wait_for_background` reports them."""
         self.on_failure: list[Callable[[str, BaseException], None]] = []
@@ -68,9 +73,10 @@ def background_allowed() -> bool:
     return BACKGROUND.allowed
 
 
-def in_background(save: Callable[[], None], what: str) -> None:
+def in_background(save: Callable[[], None], what: str, *, detached: bool = False) -> None:
     """Run `save` (writing the artifact `what`) in a thread, once the saves handed over before it
-    are done (without waiting for them here); where background saves are not allowed, now."""
+    are done (without waiting for them here); where background saves are not allowed, now.
+    `detached`: `save` reads only bytes it owns, nothing its caller changes afterwards."""
     if not BACKGROUND.allowed:
         wait_for_background()
         save()
@@ -95,14 +101,22 @@ def in_background(save: Callable[[], None], what: str) -> None:
     thread = threading.Thread(target=target, name=f"rlpipe-save {what}")
     thread.start()
     BACKGROUND.pending.append(thread)
+    if detached:
+        BACKGROUND.detached.add(thread)
 
 
-def wait_for_background(*, raise_errors: bool = True) -> float:
-    """Wait for every pending save; returns the seconds waited. A save that failed raises here
-    (or, with `raise_errors` False, is reported on stderr: an error is already on its way)."""
+def wait_for_background(*, raise_errors: bool = True, detached_in_flight: int = 0) -> float:
+    """Wait for every pending save but the last `detached_in_flight` ones where those are detached
+    (saves finish in order: whatever came before them is waited for); returns the seconds waited. A
+    save that failed raises here (or, with `raise_errors` False, is reported on stderr: an error is
+    already on its way)."""
     started = time.perf_counter()
-    while BACKGROUND.pending:
-        BACKGROUND.pending.pop(0).join()
+    pending = BACKGROUND.pending
+    while pending and (len(pending) > detached_in_flight or not BACKGROUND.detached.issuperset(pending)
+                       or not pending[0].is_alive()):
+        thread = pending.pop(0)
+        thread.join()
+        BACKGROUND.detached.discard(thread)
     from rlpipe.schemas.errors import ArtifactError, UserError
 
     while BACKGROUND.failed:

@@ -231,7 +231,7 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
     Returns, on rank 0 with `keep_copy`, a plain copy of the saved model in eval mode (no
     DeepSpeed hooks), equal to what loading `out_dir` gives; else None.
     """
-    from rlpipe.stages.common.handoff import host_copy
+    from rlpipe.stages.common.handoff import model_copy
     from rlpipe.stages.common.tiny import save_pretrained as save
 
     copy = None
@@ -241,5 +241,5 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
             save(module, tokenizer, out_dir, max_shard_size=max_shard_size)
             if not keep_copy:
                 return None
-            copy = host_copy(module)
+            copy = model_copy(module)
     return copy

@@ -59,8 +59,10 @@ STAGE = "optimize"
 
 def run(config: OptimizeConfig, *, force: bool = False) -> Manifest:
     """Run the stage; returns the new policy checkpoint's manifest (on every rank). A train state
-    the previous run in this process is still writing (maybe this run's input) is waited for first."""
-    wait_for_background()
+    the previous run in this process is still writing (maybe this run's input), or a checkpoint it
+    writes from the engine's own tensors, is waited for first; the last policy written from its own
+    snapshot goes on being written (on a GPU at 1B, 2 GB written while this run trains)."""
+    wait_for_background(detached_in_flight=1)
     return _run(config, force=force)
 
 

@@ -160,3 +160,57 @@ def test_a_failed_background_write_leaves_nothing_and_is_raised(tiny_tokenizer, 
         background.wait_for_background()
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no staging directory left
     assert pending.pending_manifest(out) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_policy_on_a_gpu_is_handed_over_without_leaving_it(name, tiny_tokenizer, tmp_path, in_background):
+    """A bf16 policy on the GPU (optimize's ZeRO 0-2 module): its checkpoint is the bytes
+    `save_pretrained` writes of it (snapshotted through page-locked memory), twice (the second from
+    the kept form, the first snapshot's pinned blocks reused), and the copy handed over is an fp32
+    model on the same GPU, buffers included, equal to loading the checkpoint there."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    model = build_model(name, tok).to("cuda", torch.bfloat16)
+    for n in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        manifest, handed = handoff.hand_over(model, tok, tmp_path / f"handed{n}", max_shard_size="5GB",
+                                             manifest_fields=FIELDS)
+        background.wait_for_background()
+        saved = save_pretrained(model, tok, tmp_path / f"saved{n}")
+        assert _files(tmp_path / f"handed{n}") == _files(saved)
+        assert manifest.content_hash == commit_directory(saved, **FIELDS).content_hash
+        assert {t.device.type for t in [*handed.parameters(), *handed.buffers()]} == {"cuda"}
+        assert {p.dtype for p in handed.parameters()} == {torch.float32}
+        loaded = load_checkpoint(tmp_path / f"handed{n}")[0].to("cuda")
+        want, got = loaded.state_dict(), handed.state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+        ids = torch.tensor([[1, 5, 9, 3, 7]], device="cuda")
+        with torch.no_grad():
+            assert torch.equal(handed(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
+def test_optimize_waits_for_saves_of_live_tensors_but_not_the_last_snapshot(in_background):
+    """`wait_for_background(detached_in_flight=1)` (what optimize waits for): the last detached
+    save (a policy written from its snapshot) goes on; a save of live tensors, or a second
+    detached one, is waited for; saves finish in order, so a detached save behind another waits
+    for it."""
+    gates = [threading.Event() for _ in range(3)]
+    done: list[int] = []
+
+    def save(i):
+        return lambda: (gates[i].wait(30), done.append(i))
+
+    background.in_background(save(0), "snapshot 0", detached=True)
+    assert background.wait_for_background(detached_in_flight=1) < 1 and done == []  # not waited for
+    background.in_background(save(1), "snapshot 1", detached=True)
+    threading.Timer(0.2, gates[0].set).start()
+    background.wait_for_background(detached_in_flight=1)  # the first of two: waited for
+    assert done == [0] and len(background.BACKGROUND.pending) == 1
+    background.in_background(save(2), "train state", detached=False)
+    threading.Timer(0.2, gates[1].set).start()
+    threading.Timer(0.4, gates[2].set).start()
+    background.wait_for_background(detached_in_flight=1)  # live tensors last: everything
+    assert done == [0, 1, 2] and background.BACKGROUND.pending == [] and background.BACKGROUND.detached == set()

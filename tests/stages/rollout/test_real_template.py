@@ -151,6 +151,6 @@ def test_a_chat_sft_example_is_the_episode_of_the_same_turns(smollm2_tokenizer, 
                           ChatTurns(tok, None, system), max_turns=2)
     assert example.input_ids == ep.prompt_ids + ep.token_ids
     assert example.target == [False] * len(ep.prompt_ids) + [m == 1 for m in ep.mask]
-    assert tok.decode([t for t, keep in zip(example.input_ids, example.target) if keep]) == call + "<|im_end|>391<|im_end|>"
+    assert tok.decode([t for t, keep in zip(example.input_ids, example.target, strict=True) if keep]) == call + "<|im_end|>391<|im_end|>"
     if system is not None:
         assert tok.decode(ep.prompt_ids).startswith(f"<|im_start|>system\n{system}<|im_end|>")

@@ -57,7 +57,7 @@ def test_the_stage_trains_on_the_chat_layout_of_each_example(data):
     assert _targets(root, "sft") == want
     # the model's turns and their EOS only: the call and the answer, not the template's or the tool's text
     first = examples[0]
-    assert tok.decode([t for t, keep in zip(first.input_ids, first.target) if keep]) == (
+    assert tok.decode([t for t, keep in zip(first.input_ids, first.target, strict=True) if keep]) == (
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call><|eos|>36<|eos|>')
     # without the template: prompt + answer + EOS (the tool's reply untrained), other counts
     run(SFTConfig(base=root / "chat", prompts=root / "prompts", output=root / "plain_sft", max_steps=2,
