@@ -71,6 +71,21 @@ def _marked(cls: type[BaseModel], marker: type) -> dict[str, Any]:
     return {name: m for name, info in cls.model_fields.items() for m in info.metadata if isinstance(m, marker)}
 
 
+def _without_runtime(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
+    """`dumped` (`model`'s JSON dump, or part of it) less the `Runtime` fields of the models nested
+    in it (a score component's batching): what they say is how the work runs, at any depth."""
+    for name, value in vars(model).items():
+        if name not in dumped:
+            continue
+        if isinstance(value, BaseModel):
+            dumped[name] = _without_runtime(value, {k: v for k, v in dumped[name].items()
+                                                    if k not in _marked(type(value), Runtime)})
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, BaseModel) for v in value):
+            dumped[name] = [_without_runtime(v, {k: x for k, x in d.items() if k not in _marked(type(v), Runtime)})
+                            for v, d in zip(value, dumped[name], strict=True)]
+    return dumped
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +161,7 @@ class StageConfig(BaseModel):
         nothing), so a copied or moved run directory reruns as cache hits, and without its
         `Runtime` fields."""
         io = {*self.input_fields(), *self.output_fields(), *_marked(type(self), Runtime)}
-        return {k: v for k, v in self.resolved().items() if k not in io}
+        return _without_runtime(self, {k: v for k, v in self.resolved().items() if k not in io})
 
     @classmethod
     def input_fields(cls) -> dict[str, Input]:

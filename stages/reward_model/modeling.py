@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlpipe.stages.common.forward import packs
+from rlpipe.stages.common.forward import forward_batches, packs
 
 
 class RewardCheckpointError(ValueError):
@@ -125,8 +125,11 @@ class RewardModule(torch.nn.Module):
 
 @torch.no_grad()
 def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *,
-                max_length: int, batch_size: int, packing: bool = True) -> torch.Tensor:
-    """Rewards of (prompt, response) texts in input order, batched by similar length.
+                max_length: int, batch_size: int, max_tokens: int | None = None,
+                packing: bool = True) -> torch.Tensor:
+    """Rewards of (prompt, response) texts in input order, batched by similar length: at most
+    `batch_size` sequences and (when given) `max_tokens` tokens per forward pass
+    (`forward.forward_batches`; a longer sequence goes alone).
 
     Sequences are sorted by length (stable) before batching, so padding stays small; each
     reward depends only on its own tokens and the batch composition, which is a function of the
@@ -138,8 +141,8 @@ def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[st
     device = next(model.parameters()).device
     packed = packing and packs(model)
     out = torch.empty(len(seqs), dtype=torch.float32)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
+    for batch in forward_batches([len(seqs[i]) for i in order], batch_size, max_tokens):
+        idx = [order[j] for j in batch]
         r = sequence_rewards(model, **reward_batch([seqs[i] for i in idx], pad_id, packed, device))
         out[torch.tensor(idx)] = r.float().cpu()
     return out

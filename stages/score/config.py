@@ -29,7 +29,14 @@ class RewardModelComponent(_Component):
     checkpoint: Path
     """Reward-model checkpoint directory (written by the reward_model stage)."""
     batch_size: int = Field(32, ge=1)
-    """Sequences per forward pass."""
+    """Sequences per forward pass (at most)."""
+    max_tokens_per_batch: Annotated[int | None, Runtime()] = Field(None, ge=1)
+    """Tokens (prompt + response) per forward pass at most, beside `batch_size` (a longer
+    sequence goes alone): a batch of long responses bounded like one of short ones. None:
+    `batch_size` sequences whatever their lengths. Not part of the cache key."""
+    packing: Annotated[bool, Runtime()] = True
+    """Padding-free forward passes where the architecture takes them (stages/common/forward.py);
+    else padded rows. The same rewards up to float rounding. Not part of the cache key."""
     max_length: int = Field(1024, ge=2)
     """Token budget of prompt + response; longer sequences keep their last tokens."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")

@@ -174,8 +174,8 @@ def reward_model_scorer(c: Any) -> Scorer:
         model.to(device)
 
     def score(rows: Rows) -> np.ndarray:
-        return score_texts(model, tokenizer, rows.prompts, rows.responses,
-                           max_length=c.max_length, batch_size=c.batch_size).numpy()
+        return score_texts(model, tokenizer, rows.prompts, rows.responses, max_length=c.max_length,
+                           batch_size=c.batch_size, max_tokens=c.max_tokens_per_batch, packing=c.packing).numpy()
 
     return score
 

@@ -85,3 +85,44 @@ def test_legacy_sequence_classification_reward_model_loads_unchanged(tiny_tokeni
         theirs = legacy(input_ids=input_ids, attention_mask=mask).logits[:, 0]
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     assert float(ours.std()) > 0
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_score_texts_token_budget_bounds_every_pass_and_keeps_the_rewards(tiny_reward_dir, monkeypatch, packing):
+    """`max_tokens` (the score component's `max_tokens_per_batch`): no forward pass holds more
+    tokens than the budget but a sequence longer than it, alone; the rewards are the unbudgeted
+    ones (each depends on its own tokens: equal up to the float rounding of another batch layout)."""
+    from rlpipe.stages.reward_model import modeling
+
+    prompts, responses = PROMPTS * 4, [r * (1 + i % 3) for i, r in enumerate(RESPONSES * 4)]
+    model, tok = load_model(tiny_reward_dir, "reward")
+    lengths = [len(s) for s in encode(tok, prompts, responses, max_length=64)]
+    passes: list[list[int]] = []
+    real = modeling.reward_batch
+    monkeypatch.setattr(modeling, "reward_batch", lambda seqs, *a: passes.append([len(s) for s in seqs]) or real(seqs, *a))
+    budget = max(lengths) + 3  # a few sequences a pass, none alone by size
+    want = score_texts(model, tok, prompts, responses, max_length=64, batch_size=len(prompts), packing=packing)
+    assert len(passes) == 1
+    passes.clear()
+    got = score_texts(model, tok, prompts, responses, max_length=64, batch_size=len(prompts), max_tokens=budget,
+                      packing=packing)
+    assert len(passes) > 2 and all(sum(p) <= budget for p in passes)
+    assert sorted(n for p in passes for n in p) == sorted(lengths)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    passes.clear()
+    score_texts(model, tok, prompts, responses, max_length=64, batch_size=len(prompts), max_tokens=2, packing=packing)
+    assert [len(p) for p in passes] == [1] * len(prompts)  # every sequence over the budget: alone
+
+
+def test_a_score_components_batching_is_not_in_the_cache_key(tmp_path):
+    from rlpipe.stages.score.config import ScoreConfig
+
+    def config(**rm):
+        return ScoreConfig(rollouts=tmp_path / "r", output=tmp_path / "s", components=[
+            {"name": "rm", "type": "reward_model", "checkpoint": str(tmp_path / "rm"), **rm},
+            {"name": "acc", "type": "answer_match"}])
+
+    plain = config().cache_dict()
+    assert config(max_tokens_per_batch=512, packing=False).cache_dict() == plain
+    assert "max_tokens_per_batch" in config().resolved()["components"][0]  # (still recorded in the manifest)
+    assert config(batch_size=4).cache_dict() != plain  # what it computes: another batch layout
