@@ -52,8 +52,10 @@ def deepspeed_template(stage: int) -> dict[str, Any]:
 
 
 def ds_config(zero_stage: int, *, micro_batch_size: int, grad_accum: int, world_size: int,
-              grad_clip: float, bf16: bool = False) -> dict[str, Any]:
-    """The zero<stage>.json template with every "auto" field filled.
+              grad_clip: float, bf16: bool = False, offload_optimizer: bool = False,
+              offload_params: bool = False) -> dict[str, Any]:
+    """The zero<stage>.json template with every "auto" field filled, and ZeRO's CPU offload of
+    the optimizer state (ZeRO 1-3) and the parameters (ZeRO 3) where asked.
 
     train_batch_size = micro_batch_size x grad_accum x world_size (DeepSpeed checks this identity).
     """
@@ -63,6 +65,15 @@ def ds_config(zero_stage: int, *, micro_batch_size: int, grad_accum: int, world_
     cfg["train_batch_size"] = micro_batch_size * grad_accum * world_size
     cfg["gradient_clipping"] = grad_clip
     cfg["bf16"] = {**cfg["bf16"], "enabled": bf16}
+    # page-locked host buffers where there is a GPU to copy to and from (copies without a staging copy)
+    offload = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = offload
+    if offload_params:
+        cfg["zero_optimization"]["offload_param"] = offload
+    if offload_optimizer or offload_params:
+        # our torch AdamW steps the offloaded state (DeepSpeedCPUAdam would need its C++ op built)
+        cfg["zero_force_ds_cpu_optimizer"] = False
     unfilled = [k for k, v in cfg.items() if v == "auto" or (isinstance(v, dict) and "auto" in v.values())]
     if unfilled:
         raise ValueError(f"DeepSpeed template zero{zero_stage}.json has fields nobody fills: {unfilled}")

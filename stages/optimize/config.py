@@ -296,6 +296,15 @@ class OptimizeConfig(StageConfig):
 
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage (the template cluster/deepspeed/zero<stage>.json)."""
+    offload_optimizer: bool = False
+    """ZeRO 1-3: the optimizer state (fp32 masters and AdamW's two moments: 12 of the ~16 bytes a
+    trained parameter takes in bf16) in host memory, the optimizer step taken there by the torch
+    AdamW (DeepSpeed's ZeRO-Offload): a policy fits on fewer GPUs, at the price of each step's
+    gradients down and weights up over PCIe and a CPU step. The same update (bit for bit on a CPU
+    run); a train state saved with it on loads with it off and back."""
+    offload_params: bool = False
+    """ZeRO 3: the parameters' partitions in host memory as well, each module's fetched for its
+    forward and backward (ZeRO-Infinity's CPU offload): the least GPU memory, the most traffic."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -324,6 +333,12 @@ class OptimizeConfig(StageConfig):
         if self.lora is not None and self.zero_stage == 3:
             raise ValueError("lora: ZeRO 3 is not supported (it would partition the frozen base and the adapters "
                              "alike); use zero_stage 0-2: the adapters' optimizer state is small")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1-3 (ZeRO-Offload moves the partitioned optimizer "
+                             "state to host memory; ZeRO 0 has none)")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage 3 (only ZeRO 3 partitions the parameters), got "
+                             f"{self.zero_stage}; offload_optimizer works from ZeRO 1")
         if isinstance(self.loss, TRPOLoss) and self.zero_stage > 1:
             raise ValueError(f"loss trpo needs zero_stage 0 or 1, got {self.zero_stage}: ZeRO 2/3 partition the "
                              "gradients (and ZeRO 3 the parameters) over ranks, while the conjugate gradient and "

@@ -92,7 +92,8 @@ def prepare(config: OptimizeConfig, d: Any) -> Work:
     if by_tokens:  # (micro-batches per step vary: each step's last one is marked as its boundary, `_train_step`)
         micro, grad_accum = minibatch // d.world_size, 1
     dscfg = ds.ds_config(config.zero_stage, micro_batch_size=micro, grad_accum=grad_accum,
-                         world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype))
+                         world_size=d.world_size, grad_clip=config.grad_clip, bf16=ds.use_bf16(config.dtype),
+                         offload_optimizer=config.offload_optimizer, offload_params=config.offload_params)
     # seq-mean-token-sum-norm's L: the most tokens one response of the batch sampled (an episode's
     # environment tokens are not trained on, so they do not count in L either).
     return Work(batch, schedules, dscfg, config.max_len or int(batch.sampled_lengths().max()))

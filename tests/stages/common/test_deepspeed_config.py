@@ -41,6 +41,28 @@ def test_config_is_the_templatefilled(stage):
     assert cfg["zero_optimization"] == template["zero_optimization"]  # untouched: the template's
 
 
+def test_offload_knobs_fill_zero_offload_and_are_refused_where_zero_has_nothing_to_move(tmp_path):
+    from rlpipe.stages.optimize.config import OptimizeConfig
+
+    cfg = ds.ds_config(3, micro_batch_size=1, grad_accum=1, world_size=1, grad_clip=1.0,
+                       offload_optimizer=True, offload_params=True)
+    # (pinned host buffers only where a GPU copies to and from them: this machine has none)
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": False}
+    assert cfg["zero_force_ds_cpu_optimizer"] is False  # the torch AdamW steps the offloaded state
+    plain = ds.ds_config(2, micro_batch_size=1, grad_accum=1, world_size=1, grad_clip=1.0)
+    assert "offload_optimizer" not in plain["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in plain
+
+    base = dict(policy=tmp_path / "p", rollouts=tmp_path / "r", advantages=tmp_path / "a", output=tmp_path / "o",
+                metrics_output=tmp_path / "m")
+    assert OptimizeConfig(**base, zero_stage=1, offload_optimizer=True).offload_optimizer
+    with pytest.raises(ValueError, match="offload_optimizer needs zero_stage 1-3"):
+        OptimizeConfig(**base, zero_stage=0, offload_optimizer=True)
+    for z in (0, 1, 2):
+        with pytest.raises(ValueError, match=f"offload_params needs zero_stage 3 .*got {z}"):
+            OptimizeConfig(**base, zero_stage=z, offload_params=True)
+
+
 def test_sft_builds_its_config_from_the_template(tmp_path, tiny_policy_dir, monkeypatch):
     from rlpipe.stages.sft.config import SFTConfig
     from rlpipe.stages.sft.run import run

@@ -28,6 +28,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rlpipe.cluster.launch import free_port
+from rlpipe.stages.optimize.replay import WARM
 from rlpipe.stages.optimize.run import clear_warm, run
 
 pytestmark = pytest.mark.train_state
@@ -115,6 +116,41 @@ def test_chained_runs_equal_one_persistent_adamw(tmp_path, tiny_tokenizer, tiny_
     # the check has teeth: restarting AdamW each run ends elsewhere (by ~lr per weight)
     name = next(iter(fresh))
     assert (got[name] - fresh[name]).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_offload_takes_the_same_steps_and_its_state_crosses_offload_on_and_off(
+        tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, zero_stage):
+    """ZeRO-Offload in bf16 with fp32 masters (`offload_optimizer`, and `offload_params` at ZeRO 3):
+    three chained runs (each rebuilt from the saved train state) end on the same weights, bit for
+    bit, with offload on in none of them, in all, only in the last (a user turning it on to fit a
+    bigger policy) or in all but the last: on a CPU run the same AdamW steps the same fp32
+    partitions wherever DeepSpeed keeps them, and the state saved either way loads either way."""
+    batches = _batches(tmp_path, build, tiny_tokenizer)
+
+    def chain(prefix: str, offloaded: set[int]) -> dict[str, torch.Tensor]:
+        configs = _chain(tmp_path, batches, tiny_policy_dir, make_config, prefix, zero_stage=zero_stage,
+                         micro_batch_size=8, dtype="bf16")
+        for k, cfg in enumerate(configs):
+            clear_warm()
+            run(cfg.model_copy(update={"offload_optimizer": k in offloaded,
+                                       "offload_params": k in offloaded and zero_stage == 3}))
+        # the last run's engine did as asked (DeepSpeed's own flags)
+        (engines,) = WARM.by_state.values()
+        zero = engines.policy.optimizer
+        assert (zero.cpu_offload if zero_stage < 3 else zero.offload_optimizer) == (2 in offloaded)
+        if zero_stage == 3:
+            assert zero.offload_param == (2 in offloaded)
+        return load_file(configs[-1].output / "model.safetensors")
+
+    want = chain("off", set())
+    moved = {name: t for name, t in want.items() if not torch.equal(t, load_file(
+        tmp_path / "off0_policy" / "model.safetensors")[name])}
+    assert moved  # (the runs train: the check has teeth)
+    for prefix, offloaded in (("on", {0, 1, 2}), ("last", {2}), ("first", {0, 1})):
+        got = chain(prefix, offloaded)
+        assert all(torch.equal(got[name], want[name]) for name in want), (prefix, zero_stage)
 
 
 def json_global_steps(state: Path) -> int:
