@@ -1,9 +1,11 @@
-"""Peak memory of the steps that hold vocabulary-sized tensors, with the change off and on.
+"""Peak memory of the steps that hold vocabulary-, batch- or model-sized tensors, with the change
+off and on.
 
-    python benchmarks/bench_memory.py [--json FILE] [--tokens 1024] [--chunk 256]
+    python benchmarks/bench_memory.py [--json FILE] [--tokens 1024] [--chunk 256] [--cases ...]
 
-Each case runs in a child process of its own; "extra" is the peak resident memory (the kernel's
-high-water mark, VmHWM) above what the process held just before the step, in MB.
+Each case runs in a child process of its own (glibc's mmap threshold held at 128 KiB, so freed large
+blocks leave the resident set); "extra" is the peak resident memory (the kernel's high-water mark,
+VmHWM) above what the process held just before the step, in MB.
 
 logprob_entropy: the forward and backward of log-probs plus entropy exactly as optimize runs them
 (entropy as a metric, no gradient), on a tiny Llama (hidden 64, 2 layers) with Qwen2.5's
@@ -18,12 +20,30 @@ Larger shapes by formula: the before path's extra grows as 4 x B x T x V x 4 byt
 B x L x V x dtype bytes); the after path's as the floor plus one chunk, about 5 x chunk x V x 4 bytes ("chunk_mb": a chunk's
 backward holds its recomputed logits, their softmax, the incoming gradient's product with it and the
 logits' gradient; its forward three such tensors).
+
+reference_batch: the reference stage's no-grad log-prob pass (`teacher_forced_logprobs`, packed) over
+64 rows whose responses are long-tailed as sampled ones are (56 of 48 tokens, 8 of 1,536), on a
+small Llama (hidden 256, 4 heads, 2 layers, Llama 2's 32,000-token vocabulary):
+    before  `reference.batch_size` 32 rows per pass whatever their lengths (the pass holding the
+            long rows holds ~13k tokens);
+    after   with `reference.max_tokens_per_batch` 4,096 beside it;
+    floor   the longest row alone (what any batching holds).
+
+zero3_save_80m: a 2-rank ZeRO-3 engine (gloo, fp32) of `base_model.size=80m` (~83M parameters)
+saving its policy; the extra peak per rank:
+    before  every parameter gathered at once (DeepSpeed's GatheredParameters over the model, as the
+            save did): the whole model on every rank;
+    after   `deepspeed.save_pretrained`: gathered a module at a time (`gathered_by_module`); rank 0
+            builds the host copy it writes from (the model's size: `host_copy_mb`, reported on its
+            own), rank 1 only takes part in the gathers;
+    largest_layer_mb  the largest module's parameters (the most one gather holds); floor_mb the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +65,10 @@ def _reset_peak() -> None:
 
 
 def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
+    if case.startswith("reference_"):
+        return reference_child(case.removeprefix("reference_"))
+    if case.startswith("zero3_"):
+        return zero3_child(case.removeprefix("zero3_"))
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,35 +110,161 @@ def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
     return {"extra_mb": _rss_mb("VmHWM") - held}
 
 
+def _llama(positions: int, hidden: int, heads: int, vocab: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                                        num_attention_heads=heads, num_key_value_heads=1, vocab_size=vocab,
+                                        max_position_embeddings=positions)).eval()
+
+
+def reference_child(variant: str) -> dict[str, float]:
+    import torch
+
+    from rlpipe.stages.common.forward import teacher_forced_logprobs
+
+    model = _llama(2048, hidden=256, heads=4, vocab=REFERENCE_VOCAB)
+    g = torch.Generator().manual_seed(0)
+    lengths = [1536 if i % 8 == 3 else 48 for i in range(64)]  # (the long ones spread over both batches)
+    prompts = [torch.randint(1, REFERENCE_VOCAB, (16,), generator=g).tolist() for _ in lengths]
+    responses = [torch.randint(1, REFERENCE_VOCAB, (n,), generator=g).tolist() for n in lengths]
+    teacher_forced_logprobs(model, prompts[:2], [r[:8] for r in responses[:2]], 0)  # warm-up
+    if variant == "floor":
+        longest = max(range(len(lengths)), key=lambda i: lengths[i])
+        prompts, responses = [prompts[longest]], [responses[longest]]
+    held = _rss_mb("VmRSS")
+    _reset_peak()
+    teacher_forced_logprobs(model, prompts, responses, 0, batch_size=32,
+                            max_tokens=REFERENCE_BUDGET if variant == "after" else None)
+    return {"extra_mb": _rss_mb("VmHWM") - held}
+
+
+#: reference_batch's token budget per pass (`reference.max_tokens_per_batch`) and vocabulary (Llama 2's:
+#: a log-prob chunk of 256 tokens is then 33 MB, so what a pass holds is the batch's, not the chunk's)
+REFERENCE_BUDGET = 4096
+REFERENCE_VOCAB = 32_000
+
+
+def zero3_child(variant: str) -> dict[str, float]:
+    """One rank of the 2-rank ZeRO-3 save (under torchrun): its extra peak and the sizes."""
+    import tempfile
+
+    import torch
+
+    from rlpipe.stages.common import deepspeed as ds
+    from rlpipe.stages.common.distributed import init_distributed
+    from rlpipe.stages.common.tiny import build_model, save_pretrained, train_tokenizer
+
+    torch.set_num_threads(1)
+    d = init_distributed()
+    deepspeed = ds.import_deepspeed()
+    tok = train_tokenizer(["1 + 2 = 3", "the quick brown fox"])
+    engine = ds.make_engine(build_model(tok, size="80m"), ds.ds_config(3, micro_batch_size=1, grad_accum=1,
+                            world_size=d.world_size, grad_clip=1.0),
+                            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5))
+    sizes = [sum(p.ds_numel * p.element_size() for p in m.parameters(recurse=False)) for m in engine.module.modules()]
+    out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
+    torch.distributed.barrier()
+    held = _rss_mb("VmRSS")
+    _reset_peak()
+    if variant == "before":
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            if d.rank == 0:
+                save_pretrained(engine.module, tok, out / "policy")
+    else:
+        ds.save_pretrained(engine, tok, out / "policy", d.rank, keep_copy=False)
+    extra = _rss_mb("VmHWM") - held
+    torch.distributed.barrier()
+    return {"rank": d.rank, "extra_mb": extra, "largest_layer_mb": max(sizes) / 2**20,
+            "model_mb": sum(sizes) / 2**20}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tokens", type=int, default=1024, help="response tokens per row (2 rows)")
     parser.add_argument("--chunk", type=int, default=256, help="logprob_chunk_tokens of the after case "
                         "(default: the knob's default)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, args.chunk)))
+        print("FIGURES " + json.dumps(child(args.child, args.tokens, args.chunk)), flush=True)
         return 0
+    figures = {case: CASES[case](args) for case in args.cases}
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+def _run_child(case: str, args: argparse.Namespace, ranks: int = 1) -> list[dict[str, float]]:
+    """The figures of `case` from a child process (or one per rank under torchrun)."""
+    me = [__file__, "--child", case, "--tokens", str(args.tokens), "--chunk", str(args.chunk)]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(_free_port()), *me] if ranks > 1 else [sys.executable, *me])
+    # glibc raises its mmap threshold to the size of each large block freed, after which blocks that
+    # size come from the heap and stay in the resident set once freed: 80m's 6.8 MB layers, gathered
+    # and freed one after another, grew rank 1's RSS by 138 MB though at most 13.5 MB were live. A
+    # fixed threshold (glibc's default, 128 KiB) returns every large block when freed: RSS is live memory.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_memory: {case} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return [json.loads(line.split("FIGURES ", 1)[1]) for line in out.stdout.splitlines() if "FIGURES " in line]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference_batch(args: argparse.Namespace) -> dict[str, float]:
+    got = {v: _run_child(f"reference_{v}", args)[0]["extra_mb"] for v in ("before", "after", "floor")}
+    f = {"extra_before_mb": round(got["before"], 1), "extra_after_mb": round(got["after"], 1),
+         "floor_mb": round(got["floor"], 1), "rows": 64, "batch_size": 32, "max_tokens_per_batch": REFERENCE_BUDGET}
+    print(f"reference_batch (64 rows, 8 of 1,536 response tokens, 56 of 48; V = {REFERENCE_VOCAB}; packed): extra "
+          f"before {f['extra_before_mb']:.0f} MB (32 rows a pass), after {f['extra_after_mb']:.0f} MB (and "
+          f"<= {REFERENCE_BUDGET} tokens a pass: {f['extra_before_mb'] / max(f['extra_after_mb'], 1e-9):.1f}x lower), "
+          f"floor {f['floor_mb']:.0f} MB (the longest row alone)")
+    return f
+
+
+def zero3_save_80m(args: argparse.Namespace) -> dict[str, float]:
+    before = sorted(_run_child("zero3_before", args, ranks=2), key=lambda r: r["rank"])
+    after = sorted(_run_child("zero3_after", args, ranks=2), key=lambda r: r["rank"])
+    largest, model = after[0]["largest_layer_mb"], after[0]["model_mb"]
+    f = {"extra_before_mb": [round(r["extra_mb"], 1) for r in before],
+         "extra_after_mb": [round(r["extra_mb"], 1) for r in after],
+         "host_copy_mb": round(model, 1), "largest_layer_mb": round(largest, 1), "floor_mb": round(largest, 1),
+         "ranks": 2}
+    print(f"zero3_save_80m (2 ranks, fp32, {model:.0f} MB of parameters): extra per rank before "
+          f"{f['extra_before_mb']} MB (every parameter gathered), after {f['extra_after_mb']} MB (a module at a time; "
+          f"rank 0 also builds the {model:.0f} MB host copy it writes); largest layer {largest:.1f} MB")
+    return f
+
+
+def logprob_entropy(args: argparse.Namespace) -> dict[str, float]:
     got = {}
     for case in ("before", "after", "floor"):
-        out = subprocess.run([sys.executable, __file__, "--child", case, "--tokens", str(args.tokens),
-                              "--chunk", str(args.chunk)], capture_output=True, text=True, check=True)
-        got[case] = json.loads(out.stdout.strip().splitlines()[-1])["extra_mb"]
+        got[case] = _run_child(case, args)[0]["extra_mb"]
     chunk_mb = 5 * args.chunk * VOCAB * 4 / 2**20
-    figures = {"logprob_entropy": {"extra_before_mb": round(got["before"], 1), "extra_after_mb": round(got["after"], 1),
-                                   "floor_mb": round(got["floor"], 1), "chunk_mb": round(chunk_mb, 1),
-                                   "rows": 2, "response_tokens": args.tokens, "vocab": VOCAB,
-                                   "chunk_tokens": args.chunk}}
-    f = figures["logprob_entropy"]
+    f = {"extra_before_mb": round(got["before"], 1), "extra_after_mb": round(got["after"], 1),
+         "floor_mb": round(got["floor"], 1), "chunk_mb": round(chunk_mb, 1), "rows": 2, "response_tokens": args.tokens,
+         "vocab": VOCAB, "chunk_tokens": args.chunk}
     print(f"logprob_entropy (2 rows x {args.tokens} response tokens, V = {VOCAB}, fp32, chunk {args.chunk}):")
     print(f"  extra before {f['extra_before_mb']:.0f} MB, after {f['extra_after_mb']:.0f} MB "
           f"({f['extra_before_mb'] / max(f['extra_after_mb'], 1e-9):.1f}x lower), floor {f['floor_mb']:.0f} MB, "
           f"one chunk ~{chunk_mb:.0f} MB: after - floor = {f['extra_after_mb'] - f['floor_mb']:.0f} MB")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
+    return f
+
+
+CASES = {"logprob_entropy": logprob_entropy, "reference_batch": reference_batch, "zero3_save_80m": zero3_save_80m}
 
 
 if __name__ == "__main__":
