@@ -16,8 +16,8 @@ pipeline at the end of a run; a resident worker before it leaves), and a failed 
 there, naming the artifact. A `detached` save writes bytes it owns (a policy's host snapshot),
 so the optimize stage, which changes the engine's tensors, need not wait for it: it waits until
 at most one detached save is left (`detached_in_flight`), so a disk slower than the iteration
-holds back training instead of piling up snapshots in host memory. The thread is not a daemon: an interpreter that exits with a save
-pending finishes it first.
+holds back training instead of piling up snapshots in host memory. The thread is not a daemon: an
+interpreter that exits with a save pending finishes it first.
 
 Process-wide state: one object per process, `BACKGROUND` (a `BackgroundSaves`), owned by this
 module: whether background saves are allowed, the save threads not yet waited for and the failures

@@ -193,8 +193,9 @@ def _held(t: torch.Tensor, snapshot: bool, taken: dict[tuple, torch.Tensor]) -> 
     """What a weight file holds of tensor `t`: a copy on the CPU (also put in `taken`, by `t`'s
     identity) with `snapshot` or off the CPU, else `t` itself (made contiguous). From a GPU the
     copy goes into page-locked memory without waiting (`_arrived` waits for all of them at once):
-    ~10x pageable memory's rate, and PyTorch's pinned-memory cache hands the blocks of the
-    previous snapshot (let go once written) to the next one."""
+    the GPU copies into it directly (pageable memory goes through a staging buffer, one piece at a
+    time), and PyTorch's pinned-memory cache hands the blocks of the previous snapshot (let go
+    once written) to the next one."""
     if not snapshot and t.device.type == "cpu":
         return t.detach().contiguous()
     if t.device.type == "cuda":
