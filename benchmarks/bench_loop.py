@@ -23,10 +23,11 @@ final held-out evaluation, so it is run but left out; so are the first `--warmup
 imports, first engine build). The reported figures are medians over the rest. Every process runs
 `--threads` torch threads (1: the CPU figures).
 
-On a GPU both run there: the pipeline's stages pick CUDA by themselves (optimize in bf16 with fp32
-masters, the transformers rollout engine in fp32; resident rollout and optimize take GPU 0 by
-turns), and the plain loop samples in fp32 and trains under bf16 autocast over fp32 weights (its
-AdamW's weights are the masters). `gpu_busy` is then the share of each iteration GPU 0 ran a kernel
+On a GPU both run there: the pipeline's stages pick CUDA by themselves (in the preset's
+`model.dtype`, bf16 by default there: optimize with fp32 masters, the rollout engine and the other
+frozen roles in bf16; resident rollout and optimize take GPU 0 by turns), and the plain loop samples
+with its own fp32 weights and trains under bf16 autocast over them (its AdamW's weights are the
+masters). `gpu_busy` is then the share of each iteration GPU 0 ran a kernel
 (`gpu_busy.py`, NVML), for each side.
 
 The pipeline's seconds are split into `stages` (rollout, score, advantage, reference with their

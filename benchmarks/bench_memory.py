@@ -150,6 +150,7 @@ REFERENCE_VOCAB = 32_000
 
 def zero3_child(variant: str) -> dict[str, float]:
     """One rank of the 2-rank ZeRO-3 save (under torchrun): its extra peak and the sizes."""
+    import shutil
     import tempfile
 
     import torch
@@ -178,6 +179,7 @@ def zero3_child(variant: str) -> dict[str, float]:
         ds.save_pretrained(engine, tok, out / "policy", d.rank, keep_copy=False)
     extra = _rss_mb("VmHWM") - held
     torch.distributed.barrier()
+    shutil.rmtree(out, ignore_errors=True)
     return {"rank": d.rank, "extra_mb": extra, "largest_layer_mb": max(sizes) / 2**20,
             "model_mb": sum(sizes) / 2**20}
 

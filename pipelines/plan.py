@@ -45,14 +45,16 @@ class Plan:
         self.setup_dir = layout.root / "configs"
 
     def call(self, name: str, config_dir: Path, **assigned: Any) -> StageCall:
-        """A stage call: the preset's fragment (with the run's seed, and `model.loading` for a
-        stage that loads models) plus the assigned fields."""
+        """A stage call: the preset's fragment (with the run's seed, and `model.loading` and
+        `model.dtype` for a stage that loads models) plus the assigned fields."""
         fragment = dict(self.preset.fragment(name) or {})
         fields = get_stage(name).config_class().model_fields
         if "seed" in fields:
             fragment.setdefault("seed", self.preset.seed)
         if "loading" in fields:
             fragment.setdefault("loading", self.preset.model.loading.model_dump())
+        if name in FOLLOW_MODEL_DTYPE:
+            fragment.setdefault("dtype", self.preset.model.dtype)
         return StageCall(name, stage_config(name, fragment, self.source, **assigned), config_dir)
 
     # -- the artifacts a run starts from ---------------------------------------------------
@@ -327,6 +329,8 @@ class Plan:
         comps = []
         for c in (self.preset.score or {}).get("components", []):
             c = dict(c)
+            if c.get("type") == "reward_model":
+                c.setdefault("dtype", self.preset.model.dtype)
             if c.get("type") == "reward_model" and c.get("checkpoint") in (None, "reward_model"):
                 if self.reward_model() is None:
                     raise ConfigError(f"{self.source}: score component {c.get('name')!r} of type reward_model "
@@ -335,6 +339,10 @@ class Plan:
             comps.append(c)
         return {"components": comps} if comps else {}
 
+
+#: The stages whose `dtype` a preset's `model.dtype` sets (a reward-model score component's too,
+#: `_score_components`); import_model's `dtype` is the one its checkpoint is saved in, not this.
+FOLLOW_MODEL_DTYPE = ("rollout", "evaluate", "reference", "optimize")
 
 #: The rollout knobs the evaluation follows where the preset's evaluate section is silent.
 EVALUATE_FOLLOWS = ("max_new_tokens", "stop", "environment", "engine", "chat_template", "system_prompt")

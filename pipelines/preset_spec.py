@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rlpipe.cluster.placement import Launch
 from rlpipe.pipelines.keep import Keep
-from rlpipe.stages.common.model_loading import ModelLoading
+from rlpipe.stages.common.model_loading import ComputeDtype, ModelLoading
 
 
 class _Spec(BaseModel):
@@ -62,6 +62,11 @@ class ModelSpec(_Spec):
     """Keep the starting policy (after SFT) as the frozen reference for KL."""
     critic: bool = False
     """Train a critic (PPO): initialised from the starting policy's backbone with a value head."""
+    dtype: ComputeDtype = "auto"
+    """What the run computes in: 'auto' (bf16 where CUDA is present, else fp32), 'fp32' or 'bf16'.
+    Optimize trains in it (bf16: bf16 weights and activations, fp32 master weights and AdamW
+    state), and the frozen roles load in it: the reference, the reward models, both rollout
+    engines, evaluation. A stage's own `dtype` wins."""
     loading: ModelLoading = ModelLoading()
     """How every stage loads these models: `trust_remote_code` (run a checkpoint's own modelling
     code; off: such a checkpoint is refused naming this key) and `attn_implementation` (eager,

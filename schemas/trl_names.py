@@ -38,7 +38,7 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
                                                                "follows from it and optimize.micro_batch_size"),
     "steps_per_generation": ("optimize.minibatch_size", "optimizer steps per iteration = its rows / minibatch_size"),
     "gradient_checkpointing": ("optimize.gradient_checkpointing", "recompute activations in the backward pass"),
-    "bf16": ("optimize.dtype", "optimize.dtype=bf16 (fp32 master weights kept)"),
+    "bf16": ("model.dtype", "model.dtype=bf16: optimize in bf16 (fp32 master weights kept), the frozen roles too"),
     "per_device_eval_batch_size": ("evaluate.batch_size", "the held-out evaluation's batch"),
     "eval_steps": ("eval_every", "iterations between held-out evaluations"),
     "report_to": ("loggers", "the metric sinks: tensorboard, mlflow, wandb"),
@@ -46,7 +46,7 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "save_total_limit": ("keep.checkpoints_every", "which policies a run keeps (keep.best, keep.train_states)"),
     "output_dir": ("--run-dir", "the run directory, an option of `rlpipe run`"),
     "model_init_kwargs": ("model.loading", "how every stage loads its models: trust_remote_code, "
-                                           "attn_implementation (the dtype: optimize.dtype)"),
+                                           "attn_implementation (the dtype: model.dtype)"),
 }
 
 

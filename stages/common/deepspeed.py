@@ -38,8 +38,11 @@ def import_deepspeed():
 
 
 def use_bf16(dtype: str) -> bool:
-    """Train in bf16? `dtype` is 'bf16', 'fp32' or 'auto' (bf16 exactly when CUDA is present)."""
-    return dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
+    """Train in bf16? `dtype` is a `ComputeDtype`: 'bf16', 'fp32' or 'auto' (bf16 exactly when CUDA
+    is present)."""
+    from rlpipe.stages.common.model_loading import compute_dtype
+
+    return compute_dtype(dtype) == torch.bfloat16
 
 
 def deepspeed_template(stage: int) -> dict[str, Any]:
@@ -230,13 +233,13 @@ def gathered_by_module(model: Any, *, keep: bool) -> Any:
 
 def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,
                     part: Callable[[Any], Any] | None = None, keep_copy: bool = True,
-                    max_shard_size: int | str = "5GB") -> Any:
+                    max_shard_size: int | str = "5GB", copy_dtype: torch.dtype = torch.float32) -> Any:
     """Save the full model + tokenizer (rank 0) as a Hugging Face checkpoint; collective under ZeRO-3.
 
     Args:
         part: picks the Hugging Face model inside the engine's module (e.g. the model a
             head-adding wrapper holds); default: the engine's module itself.
-        keep_copy: return a copy of the saved model (for the in-process cache).
+        keep_copy: return a copy of the saved model (for the in-process cache), in `copy_dtype`.
         max_shard_size: above this size the weights go into several files plus an index.
 
     Returns, on rank 0 with `keep_copy`, a plain copy of the saved model in eval mode (no
@@ -252,5 +255,5 @@ def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int,
             save(module, tokenizer, out_dir, max_shard_size=max_shard_size)
             if not keep_copy:
                 return None
-            copy = model_copy(module)
+            copy = model_copy(module, copy_dtype)
     return copy

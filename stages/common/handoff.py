@@ -282,10 +282,11 @@ _FORM: list[SavedForm] = []
 
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
               manifest_fields: Mapping[str, Any], copy: bool = True, stable: bool = False,
-              send: Callable[[Path, Manifest, dict[str, Any]], bool] | None = None) -> tuple[Manifest, Any]:
+              send: Callable[[Path, Manifest, dict[str, Any]], bool] | None = None,
+              copy_dtype: torch.dtype = torch.float32) -> tuple[Manifest, Any]:
     """Save `module` + `tokenizer` as the checkpoint `out` in the background; returns its manifest
-    (decided now) and, with `copy`, a copy of the model (on its device) for the next stage in this process
-    (see the module doc).
+    (decided now) and, with `copy`, a copy of the model (on its device, in `copy_dtype`: what the
+    next stage computes in) for the next stage in this process (see the module doc).
 
     Args:
         manifest_fields: `checkpoint_manifest`'s keyword arguments (stage, config, inputs, ...).
@@ -316,7 +317,7 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
     if send is not None:
         small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
         send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small})
-    copy = model_copy(module, taken=taken) if copy else None
+    copy = model_copy(module, copy_dtype, taken=taken) if copy else None
     pending_artifacts.register(out, manifest, wait=wait_for_background)
     # (detached where the files are written from snapshots: optimize's next step may change the module meanwhile)
     in_background(lambda: _write(staging, out, weights, manifest), str(out), detached=snapshot)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -56,6 +56,25 @@ def loading(setting: ModelLoading | None) -> Iterator[None]:
         yield
     finally:
         _CURRENT.pop()
+
+
+#: What a stage computes in (a preset's `model.dtype`, each model-loading stage's `dtype`): 'auto'
+#: is bf16 where CUDA is present and fp32 elsewhere (a CPU's bf16 matrix products are slow).
+ComputeDtype = Literal["auto", "fp32", "bf16"]
+
+
+def torch_dtype_names(value: Any) -> Any:
+    """A dtype knob's value with torch's and vLLM's names read as ours (float32 -> fp32, ...)."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(value, value)
+
+
+def compute_dtype(name: str) -> Any:
+    """The torch dtype of a `ComputeDtype` (or 'fp16', which vLLM's older GPUs take)."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def from_pretrained_kwargs() -> dict[str, object]:

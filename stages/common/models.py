@@ -51,6 +51,8 @@ class Slot:
     tokenizer: Any
     loading: Any = None
     """The `model_loading` setting it was built under (another one builds it again)."""
+    dtype: Any = None
+    """The torch dtype it computes in (another one builds it again)."""
     how: str = "loaded"
     """How the last `load_model` into the slot got its weights: 'loaded' (built from the
     checkpoint), 'in_place' (copied into the slot's model), 'held' (it held them already),
@@ -61,9 +63,9 @@ class ModelMemory:
     """The models this process keeps between loads and stages (see the module doc)."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[str, str, Any], tuple[Any, Any]] = {}
-        """(checkpoint content key, kind, model_loading setting) -> (model, tokenizer): shared,
-        read-only models, at most `_MAX_ENTRIES` (the oldest dropped first)."""
+        self.cache: dict[tuple[str, str, Any, Any], tuple[Any, Any]] = {}
+        """(checkpoint content key, kind, model_loading setting, dtype) -> (model, tokenizer):
+        shared, read-only models, at most `_MAX_ENTRIES` (the oldest dropped first)."""
         self.slots: dict[str, Slot] = {}
         """Slot name -> what it holds (see the module doc)."""
         self.tokenizers: dict[str, Any] = {}
@@ -108,50 +110,54 @@ def checkpoint_key(path: Path | str) -> str:
 
 
 def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
-               slot: str | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face directory, fp32, eval mode.
+               slot: str | None = None, dtype: Any = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face directory in `dtype` (None: fp32), eval mode.
 
     Args:
         kind: 'causal', or 'reward' / 'critic' (a `ScalarHeadModel`: backbone + one output per
             position; see scalar_head.py).
+        dtype: a torch dtype (`model_loading.compute_dtype`); models of two dtypes are two
+            models (cached and held apart).
         cache: reuse/keep the loaded model in the in-process cache.
         slot: on a cache miss, load into this slot of the caller's (see the module doc) instead
             of the cache.
     """
+    import torch
+
     from rlpipe.schemas.pending import pending_manifest
     from rlpipe.stages.common.tiny import load_checkpoint
 
-    path = Path(path)
-    if slot is not None and (delivered := _from_channel(slot, path, kind)) is not None:
+    path, dtype = Path(path), dtype or torch.float32
+    if slot is not None and (delivered := _from_channel(slot, path, kind, dtype)) is not None:
         return delivered.model, delivered.tokenizer
-    if cache and pending_manifest(path) is not None and _cache_key(path, kind) in MODELS.cache:
+    if cache and pending_manifest(path) is not None and _cache_key(path, kind, dtype) in MODELS.cache:
         # the policy optimize just handed over in memory, its files still being written (handoff.py)
         if slot is not None:
             MODELS.last_load[slot] = "cache"
-        return MODELS.cache[_cache_key(path, kind)]
+        return MODELS.cache[_cache_key(path, kind, dtype)]
     if not path.is_dir() and pending_manifest(path) is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
     if not cache:
-        return load_checkpoint(path, kind)  # type: ignore[arg-type]
-    key = _cache_key(path, kind)
+        return load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
+    key = _cache_key(path, kind, dtype)
     if slot is not None:
         if key in MODELS.cache:  # (the local runner: the checkpoint optimize just saved, from memory)
             MODELS.last_load[slot] = "cache"
             return MODELS.cache[key]
-        held = load_into_slot(slot, path, kind, key[0])
+        held = load_into_slot(slot, path, kind, key[0], dtype)
         MODELS.last_load[slot] = held.how
         return held.model, held.tokenizer
     if key not in MODELS.cache:
         if len(MODELS.cache) >= _MAX_ENTRIES:
             MODELS.cache.pop(next(iter(MODELS.cache)))
-        MODELS.cache[key] = load_checkpoint(path, kind)  # type: ignore[arg-type]
+        MODELS.cache[key] = load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
     return MODELS.cache[key]
 
 
-def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
-    """The slot holding checkpoint `path` (content `key`): as it is, with the weights copied in
-    place (same architecture and kind), or with a newly loaded model."""
+def load_into_slot(slot: str, path: Path, kind: str, key: str, dtype: Any) -> Slot:
+    """The slot holding checkpoint `path` (content `key`) in `dtype`: as it is, with the weights
+    copied in place (same architecture, kind and dtype), or with a newly loaded model."""
     from rlpipe.stages.common.tiny import load_checkpoint
 
     slots = MODELS.slots
@@ -159,7 +165,8 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
     # (weights in place only from safetensors: other formats go through the full load, which
     # refuses pickled ones naming the file)
     in_place = any(Path(path).glob("*.safetensors"))
-    if held is not None and held.kind == kind and held.architecture == arch and in_place and held.loading == current():
+    if (held is not None and held.kind == kind and held.architecture == arch and in_place
+            and held.loading == current() and held.dtype == dtype):
         if held.key != key:
             copy_weights(held.model, path)
             held.key, held.how = key, "in_place"
@@ -167,12 +174,12 @@ def load_into_slot(slot: str, path: Path, kind: str, key: str) -> Slot:
             held.how = "held"
         return held
     slots.pop(slot, None)  # the old model goes before the new one is built
-    model, tokenizer = load_checkpoint(path, kind)  # type: ignore[arg-type]
-    held = slots[slot] = Slot(key, arch, kind, model, tokenizer, current())
+    model, tokenizer = load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
+    held = slots[slot] = Slot(key, arch, kind, model, tokenizer, current(), dtype)
     return held
 
 
-def _from_channel(slot: str, path: Path, kind: str) -> Slot | None:
+def _from_channel(slot: str, path: Path, kind: str, dtype: Any) -> Slot | None:
     """The slot with checkpoint `path` copied in from the weight channel's delivery of it (a
     resident rollout member: weight_channel.py), when there is one and the slot holds a model of
     its architecture; else None (the checkpoint is read from its files)."""
@@ -180,7 +187,7 @@ def _from_channel(slot: str, path: Path, kind: str) -> Slot | None:
 
     delivery = CHANNEL.delivery(path)
     held = MODELS.slots.get(slot)
-    if delivery is None or held is None or held.kind != kind:
+    if delivery is None or held is None or held.kind != kind or held.dtype != dtype:
         return None
     if held.architecture != architecture_of(delivery.small_files()):
         return None
@@ -296,16 +303,17 @@ def keeps_saved_checkpoints() -> bool:
 
 
 def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
-    """Record an in-memory model as the content of checkpoint `path` (just saved from it)."""
+    """Record an in-memory model as the content of checkpoint `path` (just saved from it), in the
+    dtype it computes in."""
     cache = MODELS.cache
     if len(cache) >= _MAX_ENTRIES:
         cache.pop(next(iter(cache)))
-    cache[_cache_key(path, kind)] = (model, tokenizer)
+    cache[_cache_key(path, kind, next(model.parameters()).dtype)] = (model, tokenizer)
 
 
-def _cache_key(path: Path | str, kind: str) -> tuple[str, str, Any]:
-    """A cached model's key: its checkpoint's content, its kind, and how it was loaded."""
-    return checkpoint_key(path), kind, current()
+def _cache_key(path: Path | str, kind: str, dtype: Any) -> tuple[str, str, Any, Any]:
+    """A cached model's key: its checkpoint's content, its kind, how it was loaded, its dtype."""
+    return checkpoint_key(path), kind, current(), dtype
 
 
 #: What configs call the longest sequence their positions cover (GPT-2: n_positions / n_ctx,

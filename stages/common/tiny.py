@@ -17,7 +17,7 @@ import logging
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rlpipe.schemas.errors import UserError
 
@@ -130,9 +130,9 @@ def make_tiny_checkpoint(out_dir: Path | str, texts: Iterable[str], kind: ModelK
     return save_pretrained(model, tokenizer, out_dir)
 
 
-def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
-    """Load (model, tokenizer) from a Hugging Face directory, fp32, eval mode, as the current
-    `model_loading` setting says (trust_remote_code, attn_implementation).
+def load_checkpoint(path: Path | str, kind: ModelKind = "causal", dtype: Any = None):
+    """Load (model, tokenizer) from a Hugging Face directory in `dtype` (None: fp32), eval mode, as
+    the current `model_loading` setting says (trust_remote_code, attn_implementation).
 
     kind: 'causal' (AutoModelForCausalLM), or 'reward' / 'critic' (a `ScalarHeadModel`: the rlpipe
     format, or a legacy 1-label sequence- / token-classification checkpoint).
@@ -155,9 +155,12 @@ def load_checkpoint(path: Path | str, kind: ModelKind = "causal"):
         if kind == "causal":
             if (stored := read_kind(path)) in ("critic", "reward"):
                 raise ScalarHeadCheckpointError(f"{path} is a {stored} checkpoint (a scalar head), not a causal LM")
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **from_pretrained_kwargs())
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
+                                                         **from_pretrained_kwargs())
         else:
             model = load_scalar_head_model(path, kind)
+            if dtype is not None and dtype != torch.float32:
+                model.to(dtype)
     except pickle.UnpicklingError:  # torch.load(weights_only=True) refused a pickle: nothing of it ran
         raise pickled_code(path) from None
     model.eval()

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from rlpipe.schemas.config import Assigned, Input, Output, Runtime, StageConfig
-from rlpipe.stages.common.model_loading import ModelLoading
+from rlpipe.stages.common.model_loading import ComputeDtype, ModelLoading
 from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
@@ -49,6 +49,9 @@ class EvaluateConfig(StageConfig):
     (LaTeX answers through math-verify; the `math` extra)."""
     engine: Literal["transformers", "vllm"] = "transformers"
     """Generation engine of the rollout stage."""
+    dtype: ComputeDtype = "auto"
+    """What the stage computes in: 'auto' (bf16 where CUDA is present, else fp32), 'fp32' or
+    'bf16'; in a preset, `model.dtype` sets it for every stage that loads a model."""
     batch_size: int = Field(256, ge=1)
     """Prompts per generate call."""
     keep_rollouts: bool = True

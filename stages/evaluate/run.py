@@ -45,7 +45,7 @@ def run(config: EvaluateConfig, start: StageStart) -> Manifest:
         engine=config.engine, group_size=1, temperature=0.0, max_new_tokens=config.max_new_tokens,
         batch_size=config.batch_size, groups_per_shard=1 << 20, seed=config.seed, stop=config.stop,
         environment=config.environment, chat_template=config.chat_template, system_prompt=config.system_prompt,
-        loading=config.loading,
+        loading=config.loading, dtype=config.dtype,
     )
     score_cfg = ScoreConfig(
         rollouts=rollout_cfg.output, output=config.output / "scores",

@@ -19,7 +19,7 @@ from rlpipe.schemas.config import (
 )
 from rlpipe.stages.advantage.config import KLEstimator
 from rlpipe.stages.common import LOGPROB_CHUNK_TOKENS
-from rlpipe.stages.common.model_loading import ModelLoading
+from rlpipe.stages.common.model_loading import ComputeDtype, ModelLoading
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,8 +307,10 @@ class OptimizeConfig(StageConfig):
     forward and backward (ZeRO-Infinity's CPU offload): the least GPU memory, the most traffic."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto: fp32 on CPU, bf16 when CUDA is present."""
+    dtype: ComputeDtype = "auto"
+    """What the policy trains in: 'auto' (bf16 where CUDA is present, else fp32), 'fp32' or 'bf16'
+    (bf16 weights and activations, fp32 master weights and AdamW state); in a preset, `model.dtype`
+    sets it with the frozen roles'."""
     max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
     """Policy and critic checkpoints larger than this are written as several safetensors files
     plus model.safetensors.index.json (Hugging Face's max_shard_size: '5GB', '500MB'); the

@@ -38,6 +38,7 @@ from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.background import background_allowed, in_background, wait_for_background
 from rlpipe.stages.common.channel_end import CHANNEL
 from rlpipe.stages.common.handoff import hand_over
+from rlpipe.stages.common.model_loading import compute_dtype
 from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.stage_io import StageStart, opens
 from rlpipe.stages.optimize.config import OptimizeConfig
@@ -116,6 +117,7 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
                 if rank == 0:
                     decided, copy = hand_over(
                         whole, tokenizer, out, max_shard_size=config.max_shard_size, copy=_hands_over(),
+                        copy_dtype=compute_dtype(config.dtype),  # (the rollout's, where both follow model.dtype)
                         # the engine's own tensors (the next run waits for the write), or the host
                         # copy ZeRO-3 gathered module by module (nobody else holds it)
                         stable=whole is not engine.module or engine.zero_optimization_stage() < 3,
@@ -128,7 +130,8 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
             continue
         with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
             copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None,
-                                      keep_copy=keeps_saved_checkpoints(), max_shard_size=config.max_shard_size)
+                                      keep_copy=keeps_saved_checkpoints(), max_shard_size=config.max_shard_size,
+                                      copy_dtype=compute_dtype(config.dtype))
             if rank == 0:
                 if lora:
                     extra["lora"] = _save_adapter(config, engine.module, staging, inputs)

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from rlpipe.schemas.config import Input, Output, Runtime
 from rlpipe.schemas.sharded import ShardedConfig
-from rlpipe.stages.common.model_loading import ModelLoading
+from rlpipe.stages.common.model_loading import ComputeDtype, ModelLoading
 
 
 class ReferenceConfig(ShardedConfig):
@@ -37,6 +37,9 @@ class ReferenceConfig(ShardedConfig):
     up to float rounding. Not part of the cache key."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to run the forward passes; 'auto' takes CUDA when available."""
+    dtype: ComputeDtype = "auto"
+    """What the stage computes in (both models; the log-probs are summed in fp32): 'auto' (bf16 where CUDA is present, else fp32), 'fp32' or
+    'bf16'; in a preset, `model.dtype` sets it for every stage that loads a model."""
     seed: int = 0
     """Seed (forward passes are deterministic; kept for the common config shape)."""
 

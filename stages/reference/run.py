@@ -38,6 +38,7 @@ from rlpipe.stages.common.forward import (
     teacher_forced_logprobs,
     unpad,
 )
+from rlpipe.stages.common.model_loading import compute_dtype
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -68,11 +69,11 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load(path: Path, kind: str, device: torch.device):
+def _load(path: Path, kind: str, device: torch.device, dtype: str):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(path, kind)
+    model, tokenizer = load_model(path, kind, dtype=compute_dtype(dtype))
     if next(model.parameters()).device != device:
         model.to(device)  # the cached model moves too: it stays read-only
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -94,8 +95,8 @@ def run(config: ReferenceConfig, start: StageStart) -> Manifest:
     """Compute the reference artifact of `config.rollouts`; a cache hit returns the old manifest."""
 
     device = _device(config.device)
-    ref = _load(config.reference_model, "causal", device) if config.reference_model else None
-    critic = _load(config.critic, "critic", device) if config.critic else None
+    ref = _load(config.reference_model, "causal", device, config.dtype) if config.reference_model else None
+    critic = _load(config.critic, "critic", device, config.dtype) if config.critic else None
     writer = ArtifactWriter(config.output, REFERENCE, stage="reference", config=config.resolved(),
                             inputs=start.inputs, cache_key=start.key, clean=config.worker_index is None)
     listing = read_manifest(config.rollouts)

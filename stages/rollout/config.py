@@ -6,11 +6,11 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from rlpipe.schemas.config import Assigned, Input, Output, Runtime
 from rlpipe.schemas.sharded import ShardedConfig
-from rlpipe.stages.common.model_loading import ModelLoading
+from rlpipe.stages.common.model_loading import ComputeDtype, ModelLoading, torch_dtype_names
 from rlpipe.stages.rollout.environments.base import EnvironmentSpec
 
 
@@ -98,8 +98,11 @@ class RolloutConfig(ShardedConfig):
     """vllm engine: GPUs per engine (tensor parallelism)."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """vllm engine: fraction of GPU memory the engine may use."""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """vllm engine: weight/activation dtype (the transformers engine always runs fp32)."""
+    dtype: Annotated[ComputeDtype | Literal["fp16"], BeforeValidator(torch_dtype_names)] = "auto"
+    """What either engine computes in: 'auto' (bf16 where CUDA is present, else fp32), 'fp32',
+    'bf16', or 'fp16' (vLLM on GPUs without bf16; vLLM's names float32, bfloat16, float16 are read
+    as these). In a preset, `model.dtype` sets it, with the reference's, the reward models',
+    evaluation's and optimize's. The sampling distribution is computed in fp32 either way."""
     max_model_len: int | None = Field(None, ge=1)
     """vllm engine: context length (None = the model's max_position_embeddings)."""
 

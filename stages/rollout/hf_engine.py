@@ -34,20 +34,21 @@ def _device(name: str) -> torch.device:
 
 
 class TransformersEngine:
-    """Sampling with a cached Hugging Face causal LM (fp32), on CPU or one GPU."""
+    """Sampling with a cached Hugging Face causal LM (in the rollout's `dtype`), on CPU or one GPU."""
 
     name = "transformers"
 
     def __init__(self, checkpoint: Path, config: Any):
         import transformers
 
+        from rlpipe.stages.common.model_loading import compute_dtype
         from rlpipe.stages.common.models import context_length, load_model, slot_load
 
         transformers.utils.logging.disable_progress_bar()
         started = time.perf_counter()
         # The cached checkpoint (read-only use), else this process's rollout model with the new
         # policy's weights copied in place (a resident worker: no model built per iteration).
-        self.model, self.tokenizer = load_model(checkpoint, slot=SLOT)
+        self.model, self.tokenizer = load_model(checkpoint, slot=SLOT, dtype=compute_dtype(config.dtype))
         self.model_load = slot_load(SLOT)
         """'cache', 'held', 'in_place' or 'loaded' (see rlpipe.stages.common.models)."""
         self.device = _device(config.device)
@@ -77,7 +78,7 @@ class TransformersEngine:
         next_pos = attn.sum(-1, keepdim=True)  # (B, 1): position of the first response token
         decoder = _RowDecoder(self.tokenizer, len(rows), params, self.eos_ids)
         for _ in range(params.max_new_tokens):
-            logits = out.logits[:, -1, :]
+            logits = out.logits[:, -1, :].float()  # (a bf16 model: the sampling distribution in fp32)
             if params.temperature == 0:
                 tokens = logits.argmax(-1)
             else:

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.schemas.config import ConfigError
+from rlpipe.stages.common.model_loading import compute_dtype
 from rlpipe.stages.common.process_state import register
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec
 
@@ -323,7 +324,8 @@ class VLLMEngine:
                      "max_num_batched_tokens": max(4096, self.context_length)} if cpu else {}
         sleep_mode = not cpu and current_platform.is_sleep_mode_available()
         llm = self._vllm.LLM(
-            model=str(self.source), dtype=c.dtype, max_model_len=c.max_model_len,
+            model=str(self.source), dtype=str(compute_dtype(c.dtype)).removeprefix("torch."),
+            max_model_len=c.max_model_len,
             tensor_parallel_size=tp, gpu_memory_utilization=c.gpu_memory_utilization,
             # CPU: no graphs to capture, and compiling costs minutes; GPU: CUDA graphs pay off.
             enforce_eager=cpu, seed=c.seed, logprobs_mode="raw_logprobs",

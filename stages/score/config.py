@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rlpipe.schemas.config import ImportRef, Input, Output, Runtime
 from rlpipe.schemas.sharded import ShardedConfig
-from rlpipe.stages.common.model_loading import ModelLoading
+from rlpipe.stages.common.model_loading import ComputeDtype, ModelLoading
 
 
 class _Component(BaseModel):
@@ -42,6 +42,9 @@ class RewardModelComponent(_Component):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'. On cpu the model comes
     from the in-process cache shared with other stages; on a GPU it is loaded for this run."""
+    dtype: ComputeDtype = "auto"
+    """What the reward model computes in: 'auto' (bf16 where CUDA is present, else fp32), 'fp32'
+    or 'bf16'; in a preset, `model.dtype` sets it for every reward-model component."""
 
 
 class AnswerMatchComponent(_Component):

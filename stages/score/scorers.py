@@ -154,6 +154,7 @@ def reward_model_scorer(c: Any) -> Scorer:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from rlpipe.stages.common.model_loading import compute_dtype
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.reward_model.modeling import (
         RewardCheckpointError,
@@ -167,10 +168,11 @@ def reward_model_scorer(c: Any) -> Scorer:
         raise ScoreError(c, None, "", str(e)) from None
     hf_logging.disable_progress_bar()  # no per-load "Loading weights" bar
     device = c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = compute_dtype(c.dtype)
     if device == "cpu":
-        model, tokenizer = load_model(c.checkpoint, "reward")
+        model, tokenizer = load_model(c.checkpoint, "reward", dtype=dtype)
     else:  # a private copy: cached models are shared and stay on the CPU
-        model, tokenizer = load_model(c.checkpoint, "reward", cache=False)
+        model, tokenizer = load_model(c.checkpoint, "reward", cache=False, dtype=dtype)
         model.to(device)
 
     def score(rows: Rows) -> np.ndarray:

@@ -119,3 +119,51 @@ def test_token_ids_outside_the_vocabulary_are_named(tmp_path, tiny_policy_dir, a
     with pytest.raises(ValueError, match="part-00000.parquet: row 1 has token id 10000 outside the model's vocabulary"):
         run_reference(ReferenceConfig(rollouts=tmp_path / "rollouts", output=tmp_path / "ref",
                                       reference_model=tiny_policy_dir, device="cpu"))
+
+
+def _reference_logprobs(path) -> list[np.ndarray]:
+    return [np.asarray(x, dtype=np.float32) for _, t in iter_shards(path, REFERENCE)
+            for x in t.column("ref_logprobs").to_pylist()]
+
+
+def test_a_bf16_reference_equals_the_bf16_trainer_and_stays_near_fp32(tmp_path, rollouts_dir, tiny_policy_dir):
+    """The frozen reference in the run's dtype (`dtype: bf16`, a preset's `model.dtype`): its
+    log-probs are, bit for bit, the ones the bf16 trainer computes of the same weights (a ZeRO-0
+    DeepSpeed bf16 engine built from the checkpoint, the same batches); and within the bound bf16
+    rounding allows of the fp32 reference's."""
+    from rlpipe.stages.common import deepspeed as ds
+    from rlpipe.stages.common.distributed import init_distributed
+    from rlpipe.stages.common.tiny import load_checkpoint
+
+    bf16 = run_reference(ReferenceConfig(rollouts=rollouts_dir, output=tmp_path / "bf16", reference_model=tiny_policy_dir,
+                                         batch_size=4, device="cpu", dtype="bf16"))
+    fp32 = run_reference(ReferenceConfig(rollouts=rollouts_dir, output=tmp_path / "fp32", reference_model=tiny_policy_dir,
+                                         batch_size=4, device="cpu", dtype="fp32"))
+    assert bf16.cache_key != fp32.cache_key  # what it computes: in the cache key
+    got, want = _reference_logprobs(tmp_path / "bf16"), _reference_logprobs(tmp_path / "fp32")
+
+    init_distributed()
+    model, tok = load_checkpoint(tiny_policy_dir)
+    engine = ds.make_engine(model, ds.ds_config(0, micro_batch_size=1, grad_accum=1, world_size=1, grad_clip=1.0,
+                                                bf16=True), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+    rows = [t for _, t in iter_shards(rollouts_dir)]
+    prompts = [p for t in rows for p in t.column("prompt_token_ids").to_pylist()]
+    responses = [r for t in rows for r in t.column("response_token_ids").to_pylist()]
+    trainer = []
+    for t in rows:  # (per shard, 4 rows a pass: the reference stage's batches)
+        trainer += teacher_forced_logprobs(engine.module, t.column("prompt_token_ids").to_pylist(),
+                                           t.column("response_token_ids").to_pylist(), tok.pad_token_id, batch_size=4)
+    assert all(np.array_equal(g, w) for g, w in zip(got, trainer, strict=True))
+
+    # bf16 keeps 8 significant bits: u = 2^-8 relative per rounding. The weights, each of the 2
+    # layers' residual outputs and the head's logits z are rounded (the layers' sums accumulate in
+    # fp32), so |dz| <= (2 x 2 + 2) u max|z| to first order, and logp_a = z_a - logsumexp(z) moves
+    # by at most 2 max|dz|.
+    with torch.no_grad():
+        fp32_model = load_model(tiny_policy_dir)[0]
+        z = torch.cat([fp32_model(input_ids=torch.tensor([p + r])).logits[0] for p, r in zip(prompts, responses,
+                                                                                             strict=True)])
+    bound = 2 * 6 * 2**-8 * float(z.abs().max())
+    worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
+    assert 0 < worst <= bound, (worst, bound)

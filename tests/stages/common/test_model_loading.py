@@ -118,3 +118,50 @@ def test_preset_model_loading_reaches_every_model_stage_outside_the_cache_key(tm
     # a stage's own setting wins over the preset's
     own = rollout_config("model.loading.attn_implementation=eager", "rollout.loading.attn_implementation=sdpa")
     assert own.loading.attn_implementation == "sdpa"
+
+
+def test_preset_model_dtype_reaches_optimize_and_every_frozen_role_in_the_cache_key(tmp_path):
+    """`model.dtype`: optimize trains in it and the rollout, the evaluation, the reference and
+    each reward-model score component load in it, a stage's own `dtype` winning; it is what they
+    compute, so it is in their cache keys. import_model's `dtype` (what it saves) is another knob."""
+    from rlpipe.pipelines.layout import RunLayout
+    from rlpipe.pipelines.plan import Plan
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.stages.rollout.config import RolloutConfig
+
+    def calls(*overrides):
+        plan = Plan(load_preset("grpo", ["model.reward_model=rm", "model.reference=true",
+                                          "score.components=[{name: rm, type: reward_model}]", *overrides]),
+                    RunLayout(tmp_path))
+        return {name: plan.call(name, tmp_path, **fields).config for name, fields in {
+            "rollout": dict(checkpoint=tmp_path / "a", prompts=tmp_path / "b", output=tmp_path / "c", run="x",
+                            iteration=0, policy_version=0),
+            "evaluate": dict(checkpoint=tmp_path / "a", prompts=tmp_path / "b", output=tmp_path / "e"),
+            "reference": dict(rollouts=tmp_path / "r", output=tmp_path / "f", reference_model=tmp_path / "a"),
+            "optimize": dict(policy=tmp_path / "a", rollouts=tmp_path / "r", advantages=tmp_path / "v",
+                             output=tmp_path / "o", metrics_output=tmp_path / "m"),
+            "score": dict(rollouts=tmp_path / "r", output=tmp_path / "s", **plan._score_components()),
+        }.items()}
+
+    auto, bf16 = calls(), calls("model.dtype=bf16")
+    for name, config in bf16.items():
+        dtypes = ([c.dtype for c in config.components if c.type == "reward_model"] if name == "score"
+                  else [config.dtype])
+        assert dtypes and set(dtypes) == {"bf16"}, name
+        assert config.cache_dict() != auto[name].cache_dict(), name
+    assert {auto["rollout"].dtype, auto["optimize"].dtype} == {"auto"}
+    assert calls("model.dtype=bf16", "rollout.dtype=fp32")["rollout"].dtype == "fp32"  # a stage's own wins
+    legacy = RolloutConfig(checkpoint=tmp_path / "a", prompts=tmp_path / "b", output=tmp_path / "o", dtype="bfloat16")
+    assert legacy.dtype == "bf16"  # (vLLM's names, as the rollout knob took them before)
+
+
+def test_a_checkpoint_loaded_in_two_dtypes_is_two_models(tiny_policy_dir):
+    from rlpipe.stages.common.models import clear_cache
+
+    clear_cache()
+    fp32, _ = load_model(tiny_policy_dir)
+    bf16, _ = load_model(tiny_policy_dir, dtype=torch.bfloat16)
+    assert bf16 is not fp32 and load_model(tiny_policy_dir, dtype=torch.bfloat16)[0] is bf16
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32.parameters(), bf16.parameters(), strict=True))
+    clear_cache()

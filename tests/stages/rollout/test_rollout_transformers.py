@@ -162,3 +162,30 @@ def test_temperature_zero_is_greedy(tiny_policy_dir, prompts_dir, tmp_path):
             logits = model(input_ids=seq).logits[0]
         P, T = len(group[0]["prompt_token_ids"]), len(group[0]["response_token_ids"])
         assert logits[P - 1 : P - 1 + T].argmax(-1).tolist() == group[0]["response_token_ids"]
+
+
+def test_a_bf16_rollout_samples_from_the_bf16_model(tiny_policy_dir, prompts_dir, tmp_path):
+    """`dtype: bf16` (a preset's `model.dtype`): the engine's model computes in bf16, and the
+    recorded log-probs are the bf16 model's: off the fp32 model's by more than fp32 rounding
+    allows, and within what bf16 rounding allows (u = 2^-8 per rounding; the weights, the 2
+    layers' residual outputs and the logits z rounded: |dz| <= 6u max|z|, |dlogp| <= 2 max|dz|;
+    fp32 the same with u = 2^-24)."""
+    import numpy as np
+    import torch
+
+    from rlpipe.stages.common.forward import teacher_forced_logprobs
+    from rlpipe.stages.common.models import MODELS, load_model
+
+    cfg = config(tiny_policy_dir, prompts_dir, tmp_path / "r", batch_size=12, dtype="bf16")
+    run(cfg)
+    assert {p.dtype for p in MODELS.slots["rollout"].model.parameters()} == {torch.bfloat16}
+    rows = read_table_artifact(cfg.output).to_pylist()
+    prompts, responses = [r["prompt_token_ids"] for r in rows], [r["response_token_ids"] for r in rows]
+    recorded = [np.asarray(r["response_logprobs"], dtype=np.float32) for r in rows]
+    fp32_model = load_model(tiny_policy_dir)[0]
+    fp32 = teacher_forced_logprobs(fp32_model, prompts, responses, 0)
+    with torch.no_grad():
+        z = max(float(fp32_model(input_ids=torch.tensor([p + r])).logits.abs().max())
+                for p, r in zip(prompts, responses, strict=True))
+    off = max(float(np.abs(a - b).max()) for a, b in zip(recorded, fp32, strict=True))
+    assert 2 * 6 * 2**-24 * z < off <= 2 * 6 * 2**-8 * z, (off, z)
