@@ -126,6 +126,7 @@ def _reference_logprobs(path) -> list[np.ndarray]:
             for x in t.column("ref_logprobs").to_pylist()]
 
 
+@pytest.mark.memory
 def test_a_bf16_reference_equals_the_bf16_trainer_and_stays_near_fp32(tmp_path, rollouts_dir, tiny_policy_dir):
     """The frozen reference in the run's dtype (`dtype: bf16`, a preset's `model.dtype`): its
     log-probs are, bit for bit, the ones the bf16 trainer computes of the same weights (a ZeRO-0

@@ -41,6 +41,7 @@ def test_config_is_the_templatefilled(stage):
     assert cfg["zero_optimization"] == template["zero_optimization"]  # untouched: the template's
 
 
+@pytest.mark.memory
 def test_offload_knobs_fill_zero_offload_and_are_refused_where_zero_has_nothing_to_move(tmp_path):
     from rlpipe.stages.optimize.config import OptimizeConfig
 

@@ -119,6 +119,7 @@ def test_chained_runs_equal_one_persistent_adamw(tmp_path, tiny_tokenizer, tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_offload_takes_the_same_steps_and_its_state_crosses_offload_on_and_off(
         tmp_path, tiny_tokenizer, tiny_policy_dir, build, make_config, zero_stage):

@@ -87,6 +87,7 @@ def test_legacy_sequence_classification_reward_model_loads_unchanged(tiny_tokeni
     assert float(ours.std()) > 0
 
 
+@pytest.mark.memory
 @pytest.mark.parametrize("packing", [True, False])
 def test_score_texts_token_budget_bounds_every_pass_and_keeps_the_rewards(tiny_reward_dir, monkeypatch, packing):
     """`max_tokens` (the score component's `max_tokens_per_batch`): no forward pass holds more

@@ -164,6 +164,7 @@ def test_temperature_zero_is_greedy(tiny_policy_dir, prompts_dir, tmp_path):
         assert logits[P - 1 : P - 1 + T].argmax(-1).tolist() == group[0]["response_token_ids"]
 
 
+@pytest.mark.memory
 def test_a_bf16_rollout_samples_from_the_bf16_model(tiny_policy_dir, prompts_dir, tmp_path):
     """`dtype: bf16` (a preset's `model.dtype`): the engine's model computes in bf16, and the
     recorded log-probs are the bf16 model's: off the fp32 model's by more than fp32 rounding
