@@ -100,11 +100,27 @@ def make_engine(model: torch.nn.Module, config: dict[str, Any], *,
         def scheduler(opt):
             return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     _announce_op_build()
+    fp32_buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.dtype == torch.float32}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                       lr_scheduler=scheduler, config=config)
+    _keep_fp32_buffers(engine.module, fp32_buffers)
     _undo_state_init_step(engine)
     _no_allreduce_alone(engine)
     return engine
+
+
+def _keep_fp32_buffers(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """Put back the fp32 buffers DeepSpeed cast with a bf16 engine's module.
+
+    DeepSpeed 0.16 casts the whole module (`module.bfloat16()`), its buffers too (0.19 casts only
+    the parameters): rotary frequencies (`inv_freq`) in bf16 keep 8 significant bits, so position
+    angles drift with the position, and the trainer's log-probs then differ from those of the same
+    bf16 weights as transformers loads them (fp32 frequencies: the reference, the rollout engines).
+    """
+    for name, buffer in list(module.named_buffers()):
+        if name in before and buffer.dtype != torch.float32:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._buffers[attr] = before[name].to(buffer.device)
 
 
 def _no_allreduce_alone(engine: Any) -> None:

@@ -147,3 +147,19 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     ds._announce_op_build()
     assert not lock.exists()
     assert capsys.readouterr().err.startswith(f"warning: removed {lock}: a build lock 11 min old, left by a killed build")
+
+
+def test_a_bf16_engine_keeps_the_fp32_buffers_older_deepspeed_casts(tiny_policy_dir):
+    """DeepSpeed 0.16 casts a bf16 engine's whole module, rotary frequencies included (0.19 casts
+    the parameters only): they are put back in fp32, as transformers keeps them in a bf16 model."""
+    import torch
+
+    from rlpipe.stages.common.tiny import load_checkpoint
+
+    model = load_checkpoint(tiny_policy_dir)[0]
+    before = {n: b.detach().clone() for n, b in model.named_buffers() if b.dtype == torch.float32}
+    assert before  # (the rotary frequencies)
+    model.bfloat16()  # what DeepSpeed 0.16 does
+    ds._keep_fp32_buffers(model, before)
+    assert all(torch.equal(dict(model.named_buffers())[n], b) for n, b in before.items())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
