@@ -160,7 +160,9 @@ def load_checkpoint(path: Path | str, kind: ModelKind = "causal", dtype: Any = N
         else:
             model = load_scalar_head_model(path, kind)
             if dtype is not None and dtype != torch.float32:
-                model.to(dtype)
+                # the parameters only: buffers (rotary frequencies) stay fp32, as from_pretrained keeps them
+                for param in model.parameters():
+                    param.data = param.data.to(dtype)
     except pickle.UnpicklingError:  # torch.load(weights_only=True) refused a pickle: nothing of it ran
         raise pickled_code(path) from None
     model.eval()
