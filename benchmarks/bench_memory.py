@@ -70,7 +70,6 @@ def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
     if case.startswith("zero3_"):
         return zero3_child(case.removeprefix("zero3_"))
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlpipe.stages.common.forward import (
         final_hidden,
@@ -80,11 +79,7 @@ def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
         response_stats,
     )
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
-                                         max_position_embeddings=tokens + 64))
+    model = _llama(tokens + 64, hidden=64, heads=2, vocab=VOCAB)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (16,), generator=g).tolist() for _ in range(2)]
     responses = [torch.randint(1, VOCAB, (tokens,), generator=g).tolist() for _ in range(2)]
@@ -111,6 +106,7 @@ def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
 
 
 def _llama(positions: int, hidden: int, heads: int, vocab: int):
+    """A seeded 2-layer Llama (one key/value head), built at one torch thread."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,7 +114,7 @@ def _llama(positions: int, hidden: int, heads: int, vocab: int):
     torch.set_num_threads(1)
     return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=1, vocab_size=vocab,
-                                        max_position_embeddings=positions)).eval()
+                                        max_position_embeddings=positions))
 
 
 def reference_child(variant: str) -> dict[str, float]:
@@ -126,7 +122,7 @@ def reference_child(variant: str) -> dict[str, float]:
 
     from rlpipe.stages.common.forward import teacher_forced_logprobs
 
-    model = _llama(2048, hidden=256, heads=4, vocab=REFERENCE_VOCAB)
+    model = _llama(2048, hidden=256, heads=4, vocab=REFERENCE_VOCAB).eval()
     g = torch.Generator().manual_seed(0)
     lengths = [1536 if i % 8 == 3 else 48 for i in range(64)]  # (the long ones spread over both batches)
     prompts = [torch.randint(1, REFERENCE_VOCAB, (16,), generator=g).tolist() for _ in lengths]
@@ -204,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_child(case: str, args: argparse.Namespace, ranks: int = 1) -> list[dict[str, float]]:
     """The figures of `case` from a child process (or one per rank under torchrun)."""
+    from rlpipe.cluster.launch import free_port
+
     me = [__file__, "--child", case, "--tokens", str(args.tokens), "--chunk", str(args.chunk)]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(_free_port()), *me] if ranks > 1 else [sys.executable, *me])
+            str(free_port()), *me] if ranks > 1 else [sys.executable, *me])
     # glibc raises its mmap threshold to the size of each large block freed, after which blocks that
     # size come from the heap and stay in the resident set once freed: 80m's 6.8 MB layers, gathered
     # and freed one after another, grew rank 1's RSS by 138 MB though at most 13.5 MB were live. A
@@ -216,14 +214,6 @@ def _run_child(case: str, args: argparse.Namespace, ranks: int = 1) -> list[dict
     if out.returncode != 0:
         raise SystemExit(f"bench_memory: {case} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return [json.loads(line.split("FIGURES ", 1)[1]) for line in out.stdout.splitlines() if "FIGURES " in line]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference_batch(args: argparse.Namespace) -> dict[str, float]:

@@ -331,11 +331,11 @@ class Plan:
             c = dict(c)
             if c.get("type") == "reward_model":
                 c.setdefault("dtype", self.preset.model.dtype)
-            if c.get("type") == "reward_model" and c.get("checkpoint") in (None, "reward_model"):
-                if self.reward_model() is None:
-                    raise ConfigError(f"{self.source}: score component {c.get('name')!r} of type reward_model "
-                                      "needs a reward model: set model.reward_model or the reward_model stage")
-                c["checkpoint"] = self.reward_model()
+                if c.get("checkpoint") in (None, "reward_model"):
+                    if self.reward_model() is None:
+                        raise ConfigError(f"{self.source}: score component {c.get('name')!r} of type reward_model "
+                                          "needs a reward model: set model.reward_model or the reward_model stage")
+                    c["checkpoint"] = self.reward_model()
             comps.append(c)
         return {"components": comps} if comps else {}
 

@@ -72,18 +72,18 @@ def _marked(cls: type[BaseModel], marker: type) -> dict[str, Any]:
 
 
 def _without_runtime(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
-    """`dumped` (`model`'s JSON dump, or part of it) less the `Runtime` fields of the models nested
-    in it (a score component's batching): what they say is how the work runs, at any depth."""
+    """`dumped` (`model`'s JSON dump, or part of it) less the `Runtime` fields of `model` and of the
+    models nested in it (a score component's batching): what they say is how the work runs, at any
+    depth."""
+    out = {k: v for k, v in dumped.items() if k not in _marked(type(model), Runtime)}
     for name, value in vars(model).items():
-        if name not in dumped:
+        if name not in out:
             continue
         if isinstance(value, BaseModel):
-            dumped[name] = _without_runtime(value, {k: v for k, v in dumped[name].items()
-                                                    if k not in _marked(type(value), Runtime)})
+            out[name] = _without_runtime(value, out[name])
         elif isinstance(value, (list, tuple)) and all(isinstance(v, BaseModel) for v in value):
-            dumped[name] = [_without_runtime(v, {k: x for k, x in d.items() if k not in _marked(type(v), Runtime)})
-                            for v, d in zip(value, dumped[name], strict=True)]
-    return dumped
+            out[name] = [_without_runtime(v, d) for v, d in zip(value, out[name], strict=True)]
+    return out
 
 
 
@@ -160,7 +160,7 @@ class StageConfig(BaseModel):
         output paths (inputs enter the key by content hash; where the output goes changes
         nothing), so a copied or moved run directory reruns as cache hits, and without its
         `Runtime` fields."""
-        io = {*self.input_fields(), *self.output_fields(), *_marked(type(self), Runtime)}
+        io = {*self.input_fields(), *self.output_fields()}
         return _without_runtime(self, {k: v for k, v in self.resolved().items() if k not in io})
 
     @classmethod
