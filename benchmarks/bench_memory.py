@@ -17,9 +17,9 @@ logprob_entropy: the forward and backward of log-probs plus entropy exactly as o
     floor   the same forward and backward with a loss on the final hidden states: what any
             log-prob computation holds (the activations), with nothing vocabulary-sized.
 Larger shapes by formula: the before path's extra grows as 4 x B x T x V x 4 bytes (+ the logits,
-B x L x V x dtype bytes); the after path's as the floor plus one chunk, about 5 x chunk x V x 4 bytes ("chunk_mb": a chunk's
-backward holds its recomputed logits, their softmax, the incoming gradient's product with it and the
-logits' gradient; its forward three such tensors).
+B x L x V x dtype bytes); the after path's stays the floor plus one chunk, (2 x chunk x V + V x H) x 4
+bytes ("chunk_mb": a chunk's backward holds its recomputed logits, their gradient, and the LM head's
+weight gradient from that chunk before it is added to the parameter's).
 
 reference_batch: the reference stage's no-grad log-prob pass (`teacher_forced_logprobs`, packed) over
 64 rows whose responses are long-tailed as sampled ones are (56 of 48 tokens, 8 of 1,536), on a
@@ -33,10 +33,17 @@ zero3_save_80m: a 2-rank ZeRO-3 engine (gloo, fp32) of `base_model.size=80m` (~8
 saving its policy; the extra peak per rank:
     before  every parameter gathered at once (DeepSpeed's GatheredParameters over the model, as the
             save did): the whole model on every rank;
-    after   `deepspeed.save_pretrained`: gathered a module at a time (`gathered_by_module`); rank 0
-            builds the host copy it writes from (the model's size: `host_copy_mb`, reported on its
-            own), rank 1 only takes part in the gathers;
+    after   `deepspeed.save_pretrained`: a module at a time, each parameter's partitions gathered
+            to rank 0 alone (`gathered_by_module`); rank 0 builds the host copy it writes from (the
+            model's size: `host_copy_mb`, reported on its own), rank 1 only sends its partitions;
     largest_layer_mb  the largest module's parameters (the most one gather holds); floor_mb the same.
+
+offload (not run by default: for a GPU, `--cases offload`, benchmarks/gpu_figures.sh): one rank's
+ZeRO-3 engine of `base_model.size=--offload-size` (1b: ~0.97B parameters), bf16 with fp32 masters
+on a GPU, taking an optimizer step on 2 rows x 512 tokens with the optimizer state off-loaded to
+host memory or not, and the parameters too; the device's memory held before the step and its peak
+during it (`torch.cuda.max_memory_allocated`; on a CPU the resident set, where offloading moves
+nothing), and the step's seconds. The step measured is the second (the first makes the state).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import sys
 from pathlib import Path
 
 VOCAB = 151_936
+HIDDEN = 64  # (logprob_entropy's Llama)
 
 
 def _rss_mb(field: str) -> float:
@@ -64,7 +72,9 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
+def child(case: str, tokens: int, chunk: int, size: str = "1b") -> dict[str, float]:
+    if case.startswith("offload_"):
+        return offload_child(case.removeprefix("offload_"), size)
     if case.startswith("reference_"):
         return reference_child(case.removeprefix("reference_"))
     if case.startswith("zero3_"):
@@ -79,7 +89,7 @@ def child(case: str, tokens: int, chunk: int) -> dict[str, float]:
         response_stats,
     )
 
-    model = _llama(tokens + 64, hidden=64, heads=2, vocab=VOCAB)
+    model = _llama(tokens + 64, hidden=HIDDEN, heads=2, vocab=VOCAB)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (16,), generator=g).tolist() for _ in range(2)]
     responses = [torch.randint(1, VOCAB, (tokens,), generator=g).tolist() for _ in range(2)]
@@ -180,17 +190,69 @@ def zero3_child(variant: str) -> dict[str, float]:
             "model_mb": sum(sizes) / 2**20}
 
 
+#: offload's variants: (offload_optimizer, offload_params)
+OFFLOAD = {"off": (False, False), "optimizer": (True, False), "optimizer_and_params": (True, True)}
+
+
+def offload_child(variant: str, size: str) -> dict[str, float]:
+    """One rank's ZeRO-3 optimizer step with `variant`'s offload (under torchrun, one process)."""
+    import time
+
+    import torch
+
+    from rlpipe.stages.common import deepspeed as ds
+    from rlpipe.stages.common.distributed import init_distributed
+    from rlpipe.stages.common.tiny import build_model, train_tokenizer
+
+    cuda = torch.cuda.is_available()
+    torch.set_num_threads(8 if cuda else 1)
+    d = init_distributed()
+    tok = train_tokenizer(["1 + 2 = 3", "the quick brown fox"])
+    optimizer, params = OFFLOAD[variant]
+    config = ds.ds_config(3, micro_batch_size=2, grad_accum=1, world_size=d.world_size, grad_clip=1.0, bf16=cuda,
+                          offload_optimizer=optimizer, offload_params=params)
+    engine = ds.make_engine(build_model(tok, size=size, max_positions=512), config,
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5))
+    ids = torch.randint(3, len(tok), (2, 512), generator=torch.Generator().manual_seed(0)).to(engine.device)
+
+    def step() -> None:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    step()  # (the optimizer state is made at the first step)
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated() / 2**20
+        return _rss_mb("VmRSS")
+
+    held = now()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        _reset_peak()
+    started = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mb("VmHWM")
+    return {"held_mb": round(held, 1), "peak_mb": round(max(peak, now()), 1), "step_s": round(seconds, 3),
+            "parameters": sum(p.ds_numel for p in engine.module.parameters()),
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tokens", type=int, default=1024, help="response tokens per row (2 rows)")
     parser.add_argument("--chunk", type=int, default=256, help="logprob_chunk_tokens of the after case "
                         "(default: the knob's default)")
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--offload-size", default="1b", help="base_model.size of the offload case")
+    parser.add_argument("--cases", nargs="+", default=[c for c in CASES if c != "offload"], choices=list(CASES))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("FIGURES " + json.dumps(child(args.child, args.tokens, args.chunk)), flush=True)
+        print("FIGURES " + json.dumps(child(args.child, args.tokens, args.chunk, args.offload_size)), flush=True)
         return 0
     figures = {case: CASES[case](args) for case in args.cases}
     if args.json:
@@ -198,13 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_child(case: str, args: argparse.Namespace, ranks: int = 1) -> list[dict[str, float]]:
-    """The figures of `case` from a child process (or one per rank under torchrun)."""
+def _run_child(case: str, args: argparse.Namespace, ranks: int = 0) -> list[dict[str, float]]:
+    """The figures of `case` from a child process (0 ranks), or one per rank under torchrun."""
     from rlpipe.cluster.launch import free_port
 
-    me = [__file__, "--child", case, "--tokens", str(args.tokens), "--chunk", str(args.chunk)]
+    me = [__file__, "--child", case, "--tokens", str(args.tokens), "--chunk", str(args.chunk),
+          "--offload-size", args.offload_size]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(free_port()), *me] if ranks > 1 else [sys.executable, *me])
+            str(free_port()), *me] if ranks else [sys.executable, *me])
     # glibc raises its mmap threshold to the size of each large block freed, after which blocks that
     # size come from the heap and stay in the resident set once freed: 80m's 6.8 MB layers, gathered
     # and freed one after another, grew rank 1's RSS by 138 MB though at most 13.5 MB were live. A
@@ -236,7 +299,7 @@ def zero3_save_80m(args: argparse.Namespace) -> dict[str, float]:
          "host_copy_mb": round(model, 1), "largest_layer_mb": round(largest, 1), "floor_mb": round(largest, 1),
          "ranks": 2}
     print(f"zero3_save_80m (2 ranks, fp32, {model:.0f} MB of parameters): extra per rank before "
-          f"{f['extra_before_mb']} MB (every parameter gathered), after {f['extra_after_mb']} MB (a module at a time; "
+          f"{f['extra_before_mb']} MB (every parameter gathered), after {f['extra_after_mb']} MB (gathered to rank 0 a parameter at a time; "
           f"rank 0 also builds the {model:.0f} MB host copy it writes); largest layer {largest:.1f} MB")
     return f
 
@@ -245,7 +308,7 @@ def logprob_entropy(args: argparse.Namespace) -> dict[str, float]:
     got = {}
     for case in ("before", "after", "floor"):
         got[case] = _run_child(case, args)[0]["extra_mb"]
-    chunk_mb = 5 * args.chunk * VOCAB * 4 / 2**20
+    chunk_mb = (2 * args.chunk * VOCAB + VOCAB * HIDDEN) * 4 / 2**20
     f = {"extra_before_mb": round(got["before"], 1), "extra_after_mb": round(got["after"], 1),
          "floor_mb": round(got["floor"], 1), "chunk_mb": round(chunk_mb, 1), "rows": 2, "response_tokens": args.tokens,
          "vocab": VOCAB, "chunk_tokens": args.chunk}
@@ -256,7 +319,18 @@ def logprob_entropy(args: argparse.Namespace) -> dict[str, float]:
     return f
 
 
-CASES = {"logprob_entropy": logprob_entropy, "reference_batch": reference_batch, "zero3_save_80m": zero3_save_80m}
+def offload(args: argparse.Namespace) -> dict[str, float]:
+    f = {variant: _run_child(f"offload_{variant}", args, ranks=1)[0] for variant in OFFLOAD}
+    off = f["off"]
+    print(f"offload (ZeRO-3, one rank, base_model.size={args.offload_size}: {off['parameters'] / 1e9:.2f}B parameters, "
+          f"{off['device']}; held before the step / peak during it / step seconds):")
+    for variant, r in f.items():
+        print(f"  {variant:>20}: {r['held_mb']:,.0f} / {r['peak_mb']:,.0f} MB, {r['step_s']:.2f} s")
+    return {"size": args.offload_size, **f}
+
+
+CASES = {"logprob_entropy": logprob_entropy, "reference_batch": reference_batch, "zero3_save_80m": zero3_save_80m,
+         "offload": offload}
 
 
 if __name__ == "__main__":

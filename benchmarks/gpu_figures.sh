@@ -2,7 +2,8 @@
 # The GPU figures of docs/cluster.md#gpu, on a machine with one CUDA GPU, from the repository root:
 #   bash benchmarks/gpu_figures.sh [OUT_DIR]
 # bench_loop.py at ~0.97B parameters (base_model.size=1b) in bf16 with fp32 masters, ZeRO 0 and 3,
-# with the share of each iteration the GPU was busy; then the tests marked `gpu`. Logs and the
+# with the share of each iteration the GPU was busy; then the tests marked `gpu`; then bench_memory's
+# offload case at 1b (ZeRO-3 with and without CPU offload); then bench_loop with resident workers. Logs and the
 # figures' JSON go to OUT_DIR ($OUT, else /tmp/gpu_figures).
 #
 # A machine without rlpipe's dependencies but with CUDA torch and transformers (ours, which reaches
@@ -41,6 +42,10 @@ done
 
 step "pytest -m gpu"
 timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest_gpu.log"
+
+step "bench_memory offload 1b (ZeRO-3, optimizer state and parameters in host memory or not)"
+timeout "${OFFLOAD_TIMEOUT_S:-200}" python3 benchmarks/bench_memory.py --cases offload --offload-size 1b \
+  --json "$out/bench_memory_offload_1b.json" 2>&1 | tee "$out/bench_memory_offload_1b.log"
 
 step "bench_loop 1b ZeRO 0, resident workers sharing GPU 0"
 timeout "${RESIDENT_TIMEOUT_S:-230}" python3 benchmarks/bench_loop.py --sizes 1b --launchers resident \

@@ -205,8 +205,9 @@ def full_parameters(engine: Any, *, rank: int | None = None) -> Iterator[torch.n
     ZeRO 0-2: the module itself. ZeRO-3: a Hugging Face model's parameters are gathered one module
     at a time (`gathered_by_module`) and copied to host memory on `rank` (None: every rank), where
     a plain copy of the model is built from them (no DeepSpeed hooks, the parameters' dtype); ranks
-    that keep none get None. So no accelerator holds more than its partition plus one module's
-    parameters: gathered at once, a 70B bf16 model is 140 GB on every GPU. Another module (a LoRA
+    that keep none get None, and with `rank` given they only send their partitions (a gather to
+    `rank`, a parameter at a time). So no accelerator holds more than its partition plus one
+    module's parameters: gathered at once, a 70B bf16 model is 140 GB on every GPU. Another module (a LoRA
     wrapper, a scalar head) is gathered whole, as before, and yielded itself on every rank."""
     from transformers import PreTrainedModel
 
@@ -214,18 +215,23 @@ def full_parameters(engine: Any, *, rank: int | None = None) -> Iterator[torch.n
         yield engine.module
     elif isinstance(engine.module, PreTrainedModel):
         keep = rank is None or not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank
-        yield gathered_by_module(engine.module, keep=keep)
+        writer = rank if rank is not None and torch.distributed.is_initialized() else None
+        yield gathered_by_module(engine.module, keep=keep, writer=writer)
     else:
         deepspeed = import_deepspeed()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             yield engine.module
 
 
-def gathered_by_module(model: Any, *, keep: bool) -> Any:
+def gathered_by_module(model: Any, *, keep: bool, writer: int | None = None) -> Any:
     """A plain host copy of ZeRO-3-partitioned `model` (a Hugging Face model), its parameters
     gathered one module at a time and copied to the CPU, each gather released before the next;
     with `keep` False this rank only takes part in the gathers and gets None. Tied parameters are
-    gathered and copied once."""
+    gathered and copied once.
+
+    `writer`: the one rank that keeps a copy (the others pass `keep` False): each parameter's
+    partitions are gathered to it alone (`_gathered_to`), so the other ranks hold nothing beyond
+    their partitions; None: every rank that keeps one takes part in DeepSpeed's all-gathers."""
     from rlpipe.stages.common.handoff import rebuilt
 
     deepspeed = import_deepspeed()
@@ -234,7 +240,11 @@ def gathered_by_module(model: Any, *, keep: bool) -> Any:
     for prefix, module in model.named_modules():
         params = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)]
         fresh = [p for _, p in params if id(p) not in copied]
-        if fresh:
+        if fresh and writer is not None and all(_gatherable(p) for p in fresh):
+            for p in fresh:
+                whole = _gathered_to(p, writer)  # (a collective: every rank calls it)
+                copied[id(p)] = whole if keep else p
+        elif fresh:
             with deepspeed.zero.GatheredParameters(fresh, modifier_rank=None):
                 for p in fresh:
                     copied[id(p)] = p.detach().to(device="cpu", copy=True) if keep else p
@@ -245,6 +255,39 @@ def gathered_by_module(model: Any, *, keep: bool) -> Any:
     buffers = {name: b.detach().to(device="cpu", copy=True) for name, b in model.state_dict().items()
                if name not in state}  # (buffers are not partitioned: rotary frequencies, ...)
     return rebuilt(model, {**state, **buffers})
+
+
+def _gatherable(param: torch.nn.Parameter) -> bool:
+    """Whether `param`'s ZeRO-3 partition is in memory (not swapped out to NVMe)."""
+    part = getattr(param, "ds_tensor", None)
+    return part is not None and getattr(part, "final_location", None) is None and hasattr(part, "ds_numel")
+
+
+def _gathered_to(param: torch.nn.Parameter, writer: int) -> torch.Tensor | None:
+    """ZeRO-3-partitioned `param` whole on rank `writer` (a host tensor; None on the other ranks).
+
+    ZeRO-3 keeps rank r's part of the flattened parameter, elements [r s, (r + 1) s) with s the
+    partition size (the last padded), in `param.ds_tensor`; `torch.distributed.gather` puts each
+    rank's part in its place of one flat tensor on the writer, so the other ranks send theirs and
+    hold nothing more (an all-gather gives every rank the whole parameter, and gloo a second copy
+    of it). A collective: every rank of the parameter's group calls it for the same parameters."""
+    if getattr(param, "ds_persist", False) and getattr(getattr(param, "ds_status", None), "name", "") == "AVAILABLE":
+        # whole on every rank: a parameter below `stage3_param_persistence_threshold` between
+        # forwards. Its data is what the forward reads and DeepSpeed's own gather returns (DeepSpeed
+        # 0.16's partition of it was sometimes behind), and nothing need be sent.
+        return param.detach().to(device="cpu", copy=True) if torch.distributed.get_rank() == writer else None
+    group = param.ds_process_group
+    part = param.ds_tensor
+    size, world = part.ds_numel, torch.distributed.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        torch.distributed.get_backend(group) == "nccl") else torch.device("cpu")
+    sent = part.to(device)  # (ZeRO-Offload keeps the partitions in host memory; NCCL sends from a GPU)
+    if torch.distributed.get_rank() != writer:
+        torch.distributed.gather(sent, None, dst=writer, group=group)
+        return None
+    flat = torch.empty(size * world, dtype=part.dtype, device=device)
+    torch.distributed.gather(sent, list(flat.split(size)), dst=writer, group=group)
+    return flat[:param.ds_numel].view(param.ds_shape).to("cpu")
 
 
 def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,

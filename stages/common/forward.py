@@ -22,10 +22,11 @@ outputs keep their (B, T) shape: `rows[b]` and `positions[b, t]` say where each 
 Memory (`response_stats`): the model's forward keeps one position's logits (`logits_to_keep=1`);
 the LM head is applied to the response positions' final hidden states only, `chunk_tokens` tokens
 at a time, each chunk's fp32 logits recomputed in the backward instead of kept (activation
-checkpointing of the head), so the extra memory of log-probs and entropy is at most about five
-(chunk_tokens, V) fp32 tensors (a chunk's backward), not the logits and four (B, T, V) fp32 copies
-(benchmarks/bench_memory.py: 7.3x lower at 2 x 1,024 tokens and V = 151,936). One chunk of every token is the
-unchunked computation (nothing recomputed).
+checkpointing of the head), and the log-probs' backward writes the logits' gradient in one tensor
+(`_TokenLogprob`), so the extra memory of log-probs and entropy is about two (chunk_tokens, V)
+fp32 tensors and the head's weight gradient (a chunk's backward), not the logits and four
+(B, T, V) fp32 copies (benchmarks/bench_memory.py: 16x lower at 2 x 1,024 tokens and V = 151,936).
+One chunk of every token is the unchunked computation (nothing recomputed).
 """
 
 from __future__ import annotations
@@ -234,6 +235,33 @@ def final_hidden(model: Any, batch: PackedBatch) -> torch.Tensor:
     return out.hidden_states[-1]
 
 
+class _TokenLogprob(torch.autograd.Function):
+    """log pi(a) = z_a - logsumexp(z) of N tokens from their fp32 logits z (N, V), with the
+    gradient written in one (N, V) tensor:
+
+        d logp_n / d z_nv = [v = a_n] - pi_nv,   so   grad_z = onehot(a) * g - softmax(z) * g
+
+    Autograd's own backward holds four (N, V) tensors beside z (the softmax, each branch's gradient
+    and their sum); this one holds one, and saves z itself (no copy), so a chunk's backward through
+    the LM head holds the recomputed logits and their gradient. The values are autograd's: the same
+    products and sums, each element's two terms added in the same order."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(z, ids, lse)
+        return z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, grad_lse: torch.Tensor) -> tuple[torch.Tensor, None]:
+        z, ids, lse = ctx.saved_tensors
+        # d/dz of g (z_a - lse) + g' lse: softmax(z) (g' - g), then + g at a
+        weight = (grad_lse - grad) if grad_lse is not None else -grad
+        grad_z = (z - lse.unsqueeze(-1)).exp_().mul_(weight.unsqueeze(-1))
+        grad_z.scatter_add_(-1, ids.unsqueeze(-1), grad.unsqueeze(-1))
+        return grad_z, None
+
+
 def _chunk_stats(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module,
                  finish: Callable[[torch.Tensor], torch.Tensor], entropy: bool,
                  entropy_grad: bool) -> tuple[torch.Tensor, ...]:
@@ -241,21 +269,31 @@ def _chunk_stats(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module,
 
         logp = z_a - logsumexp(z),   H = -sum_v pi_v log pi_v,   log pi = z - logsumexp(z)
 
-    At most three (N, V) fp32 tensors at once: the logits, log pi and pi log pi (the last two in
-    place and without a graph when the entropy is a metric only).
+    Beyond the logits, the backward holds their gradient (`_TokenLogprob`) and the metric entropy
+    `ENTROPY_ROWS` tokens' log pi at a time (no graph). An entropy with gradient (an entropy bonus)
+    goes through autograd: log pi and its terms are kept for it.
     """
     z = finish(head(hidden).float())  # (N, V)
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
+    if entropy and entropy_grad and torch.is_grad_enabled():
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
+        log_pi = z - lse.unsqueeze(-1)
+        return logp, -(log_pi.exp() * log_pi).sum(-1)
+    logp, lse = _TokenLogprob.apply(z, ids)
     if not entropy:
         return (logp,)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        log_pi = z - lse.unsqueeze(-1)
-        if log_pi.requires_grad:
-            return logp, -(log_pi.exp() * log_pi).sum(-1)
-        terms = log_pi.exp().mul_(log_pi)
-        del log_pi
-        return logp, -terms.sum(-1)
+    with torch.no_grad():
+        z, lse = z.detach(), lse.detach()
+        parts = []
+        for start in range(0, len(z), ENTROPY_ROWS):
+            log_pi = z[start:start + ENTROPY_ROWS] - lse[start:start + ENTROPY_ROWS].unsqueeze(-1)
+            parts.append(-log_pi.exp().mul_(log_pi).sum(-1))
+        return logp, torch.cat(parts) if parts else lse.new_zeros(0)
+
+
+#: Tokens whose metric entropy is computed at once (`_chunk_stats`): two (ENTROPY_ROWS, V) fp32
+#: tensors, 39 MB at V = 151,936, small beside a chunk's logits.
+ENTROPY_ROWS = 32
 
 
 def response_stats(model: Any, batch: PackedBatch, *, chunk_tokens: int | None = LOGPROB_CHUNK_TOKENS,

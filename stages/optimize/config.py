@@ -255,9 +255,10 @@ class OptimizeConfig(StageConfig):
     logprob_chunk_tokens: int | None = Field(LOGPROB_CHUNK_TOKENS, ge=1)
     """Response tokens whose vocabulary-sized logits exist at once (log-probs and entropy): the LM
     head is applied to the response positions only, this many at a time, in fp32, and each chunk
-    is recomputed in the backward instead of kept. Extra memory about 5 x chunk x V x 4 bytes
-    (0.74 GB at 256 tokens and V = 151,936) instead of the full logits and 4 x rows x response
-    length x V x 4 bytes (benchmarks/bench_memory.py).
+    is recomputed in the backward instead of kept. Extra memory about (2 x chunk x V + V x H) x 4
+    bytes (the chunk's logits, their gradient and the head's weight gradient: 0.33 GB at 256 tokens,
+    V = 151,936 and H = 64) instead of the full logits and 4 x rows x response length x V x 4 bytes
+    (benchmarks/bench_memory.py).
     None: one chunk of every token (nothing recomputed). Any size gives the same log-probs and
     entropies up to the rounding of the head's matmul over other rows (tests/stages/common)."""
     shuffle: bool = True

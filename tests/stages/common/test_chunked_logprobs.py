@@ -57,13 +57,18 @@ def _grads(model):
     return grads
 
 
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy_bonus", "entropy_metric"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_chunks_give_the_unchunked_values_and_gradients(name, tiny_tokenizer):
+def test_chunks_give_the_unchunked_values_and_gradients(name, entropy_grad, tiny_tokenizer):
+    """With an entropy bonus the gradient goes through autograd's log-softmax; with the entropy a
+    metric (optimize's default) through `_TokenLogprob`'s own backward: both against autograd's on
+    the full logits."""
     model = build_model(name, tiny_tokenizer).eval()
     batch = _batch()
+    bonus = 0.1 if entropy_grad else 0.0
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp, ent = response_logprobs(logits, batch), response_entropy(logits, batch)
-    (logp.sum() + 0.1 * ent.sum()).backward()
+    (logp.sum() + bonus * ent.sum()).backward()
     reference = _grads(model)
     # A gradient entry sums one term per position; the chunked path sums the response positions'
     # only, in another order: fp32 reordering error <= n eps sum|terms|, n = B x L positions. The
@@ -73,10 +78,11 @@ def test_chunks_give_the_unchunked_values_and_gradients(name, tiny_tokenizer):
     grad_tol = n * EPS32 * max(float(g.abs().max()) for g in reference.values())
     logp_tol, ent_tol = _value_tolerances(model, batch)
     for chunk in (None, 1, 4, 10_000):
-        got_logp, got_ent = response_stats(model, batch, chunk_tokens=chunk, entropy_grad=True)
+        got_logp, got_ent = response_stats(model, batch, chunk_tokens=chunk, entropy_grad=entropy_grad)
+        assert got_ent.requires_grad == entropy_grad
         assert float((got_logp - logp).abs().max().detach()) <= logp_tol, chunk
         assert float((got_ent - ent).abs().max().detach()) <= ent_tol, chunk
-        (got_logp.sum() + 0.1 * got_ent.sum()).backward()
+        (got_logp.sum() + bonus * got_ent.sum()).backward()
         grads = _grads(model)
         assert grads.keys() == reference.keys()
         for key, want in reference.items():

@@ -1,7 +1,8 @@
 """ZeRO-3's weights gathered one module at a time (`deepspeed.full_parameters`): on 2 ranks (torchrun,
-gloo), after a training step, the host copy rank 0 builds module by module is the model gathered
-whole, bit for bit, and so is the checkpoint saved from it; no gather holds more than one module's
-parameters (the whole model before); the other rank keeps no copy. Tied embeddings (llama, gpt2)
+gloo), after a training step, the host copy rank 0 builds module by module (each parameter's
+partitions gathered to rank 0 alone) is the model gathered whole, bit for bit, and so is the
+checkpoint saved from it; no gather holds more than one module's parameters (the whole model
+before); the other rank keeps no copy. Tied embeddings (llama, gpt2)
 and experts (qwen2_moe), in fp32 and in bf16 (the engine's parameters in bf16)."""
 
 from __future__ import annotations
@@ -32,14 +33,19 @@ from rlpipe.stages.common.tiny import load_checkpoint, save_pretrained
 
 info = init_distributed()
 deepspeed = ds.import_deepspeed()
-real = deepspeed.zero.GatheredParameters
-gathered = []  # elements each gather holds at once
+real, real_to = deepspeed.zero.GatheredParameters, ds._gathered_to
+gathered = []  # (how, elements) of each gather: what it holds at once
 
 
 def counting(params, *args, **kwargs):
     params = list(params) if not isinstance(params, torch.nn.Parameter) else [params]
-    gathered.append(sum(p.ds_numel for p in params))
+    gathered.append(("all", sum(p.ds_numel for p in params)))
     return real(params, *args, **kwargs)
+
+
+def counting_to(param, writer):
+    gathered.append(("to", param.ds_numel))
+    return real_to(param, writer)
 
 
 out, results = Path(sys.argv[1]), {}
@@ -58,9 +64,9 @@ for folder in sys.argv[2:]:
             if info.rank == 0:
                 save_pretrained(engine.module, tokenizer, out.parent / f"whole-{Path(folder).name}-{bf16}")
         gathered.clear()
-        deepspeed.zero.GatheredParameters = counting
+        deepspeed.zero.GatheredParameters, ds._gathered_to = counting, counting_to
         with ds.full_parameters(engine, rank=0) as copy:
-            deepspeed.zero.GatheredParameters = real
+            deepspeed.zero.GatheredParameters, ds._gathered_to = real, real_to
             key = f"{Path(folder).name}-{'bf16' if bf16 else 'fp32'}"
             if info.rank == 0:
                 state = copy.state_dict()
@@ -70,10 +76,12 @@ for folder in sys.argv[2:]:
                         whole[k].dtype == state[k].dtype and torch.equal(whole[k], state[k]) for k in whole),
                     "dtypes": sorted({str(v.dtype) for v in state.values()}),
                     "plain": not any(hasattr(p, "ds_id") for p in copy.parameters()),
-                    "largest_gather": max(gathered), "largest_module": largest, "total": total,
+                    "largest_gather": max(n for _, n in gathered), "largest_module": largest, "total": total,
+                    "how": sorted({how for how, _ in gathered}),
                     "whole_files": str(out.parent / f"whole-{Path(folder).name}-{bf16}"), "module_files": str(saved)}
             else:
-                results[key] = {"copy": copy is None, "gathers": len(gathered)}
+                results[key] = {"copy": copy is None, "gathers": len(gathered),
+                                "how": sorted({how for how, _ in gathered})}
         del engine
     out.with_suffix(f".{info.rank}.json").write_text(json.dumps(results))
 """
@@ -100,9 +108,11 @@ def test_zero3_gathers_one_module_at_a_time_into_the_same_weights(tmp_path, tiny
     for key, r in rank0.items():
         assert r["same"] and r["plain"], key
         assert r["dtypes"] == (["torch.bfloat16"] if key.endswith("bf16") else ["torch.float32"]), (key, r["dtypes"])
-        # one module's parameters at a time: the largest module's, far below the whole model's
-        assert r["largest_gather"] == r["largest_module"] < r["total"] / 2, (key, r)
+        # a parameter at a time, gathered to rank 0 alone: at most the largest module's, far
+        # below the whole model's
+        assert r["how"] == ["to"], (key, r)
+        assert r["largest_gather"] <= r["largest_module"] < r["total"] / 2, (key, r)
         for name in sorted(os.listdir(r["whole_files"])):
             if name.endswith(".safetensors"):
                 assert (Path(r["whole_files"]) / name).read_bytes() == (Path(r["module_files"]) / name).read_bytes()
-        assert rank1[key]["copy"] and rank1[key]["gathers"] > 0, (key, rank1[key])
+        assert rank1[key]["copy"] and rank1[key]["gathers"] > 0 and rank1[key]["how"] == ["to"], (key, rank1[key])
