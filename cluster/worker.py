@@ -143,8 +143,9 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
                 group.answer(seq, member, {"exit_code": code, "pid": os.getpid(), "seconds": 0.0})
                 return code
             started = time.perf_counter()
-            code, writing = ((make_room(stage, order, member), {}) if order.get("make_room")
-                             else run_order(stage, order, member, members))
+            with _profiled(f"{stage}.{member}.{seq}"):
+                code, writing = ((make_room(stage, order, member), {}) if order.get("make_room")
+                                 else run_order(stage, order, member, members))
             group.answer(seq, member, {"exit_code": code, "pid": os.getpid(),
                                        "seconds": round(time.perf_counter() - started, 3),
                                        **({"writing": writing} if writing else {})})
@@ -153,6 +154,26 @@ def serve(group: GroupDir, stage: str, member: int, members: int) -> int:
             seq += 1
     finally:
         bell.close()
+
+
+@contextlib.contextmanager
+def _profiled(name: str) -> Iterator[None]:
+    """With RLPIPE_PROFILE_DIR set (a contributor's knob, docs/contributing.md), each order runs
+    under cProfile and its statistics go to `<dir>/<stage>.<member>.<order>.prof`."""
+    folder = os.environ.get("RLPIPE_PROFILE_DIR")
+    if not folder:
+        yield
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(Path(folder) / f"{name}.prof")
 
 
 def _finish_background(wait: Any) -> int:

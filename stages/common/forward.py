@@ -158,30 +158,62 @@ class PackedRows:
         longest = max(lengths, default=0)
         # rows as wide as the longest sequence, or up to twice that where fewer positions are left
         # empty (first-fit leaves a row's end empty when no sequence fits it): 17 widths tried
-        widths = sorted({longest + longest * k // 16 for k in range(17)})
-        width, (self.row_of, self.start_of, fill) = min(
-            ((w, _first_fit(lengths, w)) for w in widths), key=lambda c: (len(c[1][2]) * c[0], c[0]))
-        self.input_ids = torch.full((len(fill), width), pad_id, dtype=torch.long)
-        self.position_ids = torch.zeros((len(fill), width), dtype=torch.long)
-        for b, q in enumerate(sequences):
-            row, at = self.row_of[b], self.start_of[b]
-            self.input_ids[row, at: at + lengths[b]] = torch.tensor(list(q), dtype=torch.long)
-            self.position_ids[row, at: at + lengths[b]] = torch.arange(lengths[b])
-        for row, used in enumerate(fill):
-            self.position_ids[row, used:] = torch.arange(width - used)
+        width, (self.row_of, self.start_of, fill) = _fewest_positions(lengths, longest)
+        # every token's place in the flattened (R, width) rows: its sequence's start plus its
+        # position, in one numpy pass (a Python loop of tensor writes cost milliseconds a batch)
+        n = np.asarray(lengths, dtype=np.int64)
+        first = np.cumsum(n) - n  # each sequence's first token in the concatenation
+        position = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(first, n)
+        start = np.asarray(self.row_of, dtype=np.int64) * width + np.asarray(self.start_of, dtype=np.int64)
+        place = np.repeat(start, n) + position
+        ids = np.full(len(fill) * width, pad_id, dtype=np.int64)
+        ids[place] = np.fromiter((t for q in sequences for t in q), dtype=np.int64, count=len(place))
+        # a row's trailing padding is a segment of its own, its positions from 0
+        positions = np.tile(np.arange(width, dtype=np.int64), len(fill)) - np.repeat(np.asarray(fill), width)
+        positions[place] = position
+        self.input_ids = torch.from_numpy(ids.reshape(len(fill), width))
+        self.position_ids = torch.from_numpy(positions.reshape(len(fill), width))
+
+
+def _fewest_positions(lengths: list[int], longest: int) -> tuple[int, tuple[list[int], list[int], list[int]]]:
+    """Of the widths longest x (1 + k/16), k = 0..16, the one whose first-fit layout has the fewest
+    positions (rows x width; the narrower on a tie), and that layout. A width's layout cannot take
+    fewer than ceil(total / width) x width positions: widths are tried in the order of that bound
+    and no further once it exceeds the best found (the same choice as trying all 17)."""
+    total = sum(lengths)
+    bound = {w: -(-total // max(w, 1)) * w for w in {longest + longest * k // 16 for k in range(17)}}
+    best: tuple[int, int, Any] | None = None
+    for w in sorted(bound, key=lambda w: (bound[w], w)):
+        if best is not None and (bound[w], w) > best[:2]:
+            break
+        layout = _first_fit(lengths, w)
+        cost = len(layout[2]) * w
+        if best is None or (cost, w) < best[:2]:
+            best = (cost, w, layout)
+    assert best is not None
+    return best[1], best[2]
 
 
 def _first_fit(lengths: list[int], width: int) -> tuple[list[int], list[int], list[int]]:
     """First-fit decreasing of sequences of `lengths` into rows of `width`: (row of each, start of
-    each, each row's fill)."""
+    each, each row's fill). Rows with less room than the shortest sequence are passed over for
+    good (`open_rows`, in row order)."""
     fill: list[int] = []
+    open_rows: list[int] = []
+    shortest = min(lengths, default=0)
     row_of, start_of = [0] * len(lengths), [0] * len(lengths)
     for b in sorted(range(len(lengths)), key=lambda b: (-lengths[b], b)):
-        r = next((r for r, used in enumerate(fill) if used + lengths[b] <= width), len(fill))
-        if r == len(fill):
+        room = width - lengths[b]
+        i = next((i for i, r in enumerate(open_rows) if fill[r] <= room), None)
+        if i is None:
             fill.append(0)
+            open_rows.append(r := len(fill) - 1)
+        else:
+            r = open_rows[i]
         row_of[b], start_of[b] = r, fill[r]
         fill[r] += lengths[b]
+        if fill[r] + shortest > width:
+            open_rows.remove(r)
     return row_of, start_of, fill
 
 
