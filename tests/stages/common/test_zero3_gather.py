@@ -90,6 +90,7 @@ for folder in sys.argv[2:]:
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.memory
 def test_zero3_gathers_one_module_at_a_time_into_the_same_weights(tmp_path, tiny_tokenizer):
     from rlpipe.stages.common.tiny import save_pretrained
 
