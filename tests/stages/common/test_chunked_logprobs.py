@@ -125,3 +125,21 @@ def test_bf16_chunks_equal_the_unchunked_bf16_path_within_bf16_rounding(tiny_tok
     got_logp, got_ent = response_stats(model, batch, chunk_tokens=4)
     tol = 2 * torch.finfo(torch.bfloat16).eps * float(logits.float().abs().max())
     assert float((got_logp - logp).abs().max()) <= tol and float((got_ent - ent).abs().max()) <= tol
+
+
+def test_the_logprob_backward_is_autograds_bit_for_bit():
+    """`_TokenLogprob` writes d logp / dz = onehot(a) g - softmax(z) g in one tensor: the same
+    products and sums as autograd's logsumexp and gather backward, so the same bits."""
+    from rlpipe.stages.common.forward import _TokenLogprob
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 5000, generator=g) * 4
+    ids = torch.randint(0, 5000, (64,), generator=g)
+    weights = torch.randn(64, generator=g)
+    by_autograd = z.clone().requires_grad_()
+    want = by_autograd.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(by_autograd, dim=-1)
+    (want * weights).sum().backward()
+    ours = z.clone().requires_grad_()
+    got, _ = _TokenLogprob.apply(ours, ids)
+    (got * weights).sum().backward()
+    assert torch.equal(got, want) and torch.equal(ours.grad, by_autograd.grad)
