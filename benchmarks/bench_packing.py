@@ -80,7 +80,7 @@ def _first_iteration(job: str, root: Path) -> Path:
 
 def _optimize(run_dir: Path, out: Path, packing: bool) -> float:
     from rlpipe.schemas import read_manifest
-    from rlpipe.schemas.config import load_config
+    from rlpipe.schemas.config_files import load_config
     from rlpipe.stages.common.process_state import reset_process_state
     from rlpipe.stages.optimize.config import OptimizeConfig
     from rlpipe.stages.optimize.run import run
@@ -95,7 +95,7 @@ def _optimize(run_dir: Path, out: Path, packing: bool) -> float:
 
 
 def _reference(run_dir: Path, out: Path, packing: bool) -> float:
-    from rlpipe.schemas.config import load_config, parse_config
+    from rlpipe.schemas.config_files import load_config, parse_config
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.reference.config import ReferenceConfig
     from rlpipe.stages.reference.run import run

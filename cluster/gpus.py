@@ -26,7 +26,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 
 from rlpipe.cluster.placement import Launch, StagePlacement
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 
 
 class GpuConflict(ConfigError):

@@ -227,7 +227,7 @@ def run_order(stage: str, order: dict[str, Any], member: int, members: int) -> t
 
 def _config(stage: str, config_file: str, overrides: list[str]) -> Any:
     """The order's saved config, parsed once for the whole order (None: it does not parse)."""
-    from rlpipe.schemas.config import load_config
+    from rlpipe.schemas.config_files import load_config
     from rlpipe.schemas.errors import UserError
 
     try:

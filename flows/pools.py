@@ -30,7 +30,7 @@ from rlpipe.cluster.process_group import ProcessGroup
 from rlpipe.cluster.processes import group_processes, run_here
 from rlpipe.cluster.resident import Handle
 from rlpipe.cluster.workorders import GroupDir
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.stages import StageCall
 
 #: The flow every stage deployment runs (`rlpipe.flows.run_flow.stage_flow`).

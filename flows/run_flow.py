@@ -178,7 +178,7 @@ def stage_flow(name: str, config: dict | None = None, force: bool = False, confi
     show_rlpipe_records()
     from rlpipe.cluster.placement import Launch
     from rlpipe.cluster.processes import ProcessLauncher
-    from rlpipe.schemas.config import load_config
+    from rlpipe.schemas.config_files import load_config
     from rlpipe.stages import stage_config
     from rlpipe.stages.common.hub import resolve_hub_inputs
 

@@ -221,7 +221,7 @@ def prune(
     from rlpipe.pipelines.keep import Keep, prune_run
     from rlpipe.pipelines.lock import run_lock
     from rlpipe.pipelines.preset_spec import AsyncSpec
-    from rlpipe.schemas.config import apply_overrides, load_yaml, parse_config
+    from rlpipe.schemas.config_files import apply_overrides, load_yaml, parse_config
     from rlpipe.schemas.errors import UserError
 
     preset_file = run_dir / "preset.yaml"

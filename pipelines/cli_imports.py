@@ -36,7 +36,7 @@ def data_import(
     Rows with repeated ids, empty prompts or text that is not UTF-8 are refused with their line or
     row numbers. The same as `rlpipe stage import_data source=SRC prompts=OUT ...`.
     """
-    from rlpipe.schemas.config import ConfigError, parse_config
+    from rlpipe.schemas.config_files import ConfigError, parse_config
     from rlpipe.schemas.errors import UserError
     from rlpipe.stages import get_stage
     from rlpipe.stages.common.hub import resolve_hub_inputs

@@ -25,7 +25,7 @@ from typing import Any
 
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.preset_spec import Preset
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.stages import StageCall, get_stage, stage_config
 from rlpipe.stages.import_data.config import ONLY_FOR
 from rlpipe.stages.import_data.sources import is_data_file

@@ -12,7 +12,7 @@ from rlpipe.pipelines import PRESETS_DIR, builtin_presets
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset_spec import Preset
-from rlpipe.schemas.config import ConfigError, apply_overrides, load_yaml, parse_config
+from rlpipe.schemas.config_files import ConfigError, apply_overrides, load_yaml, parse_config
 
 
 def load_preset(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Preset:

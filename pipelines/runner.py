@@ -31,7 +31,8 @@ from rlpipe.pipelines.saved_preset import preset_differences
 from rlpipe.pipelines.schedule import run_overlapped
 from rlpipe.schemas import Manifest
 from rlpipe.schemas.atomic import write_if_changed
-from rlpipe.schemas.config import ConfigError, StageConfig, map_paths
+from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config_files import ConfigError, map_paths
 from rlpipe.schemas.runs import iteration_dirs
 from rlpipe.stages import StageCall
 from rlpipe.stages.common.background import allow_background, wait_for_background

@@ -17,7 +17,7 @@ from typing import Any
 from rlpipe.pipelines.layout import RunLayout
 from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset_spec import Preset
-from rlpipe.schemas.config import ConfigError, load_yaml, parse_config
+from rlpipe.schemas.config_files import ConfigError, load_yaml, parse_config
 from rlpipe.stages import STAGES
 
 #: Preset keys that never change what a run computes: a run extends or resumes under any value of

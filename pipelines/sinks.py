@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.pipelines.report_html import REFRESH_SECONDS
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 
 _log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ Imports only pyarrow, pydantic and PyYAML, so CPU-only workers can read and chec
 
 from rlpipe.schemas.advantages import ADVANTAGES
 from rlpipe.schemas.columns import LOGPROBS, TOKEN_IDS, ArtifactSchema, Column, ColumnFamily
-from rlpipe.schemas.config import ConfigError, StageConfig, load_config, parse_config
+from rlpipe.schemas.config import StageConfig
+from rlpipe.schemas.config_files import ConfigError, load_config, parse_config
 from rlpipe.schemas.errors import ArtifactError, ArtifactNotFound, SchemaMismatch, UserError
 from rlpipe.schemas.manifest import MANIFEST_NAME, InputRef, Manifest, cache_key
 from rlpipe.schemas.metrics import METRICS

@@ -93,7 +93,7 @@ def stage_config(name: str, fragment: dict[str, Any] | None, source: str = "pres
                  **assigned: Any) -> StageConfig:
     """The config of stage `name`: its knobs (from a preset, say) plus the fields the caller assigns
     (positional-only arguments: a stage's own `name` or `source` field is an assigned one)."""
-    from rlpipe.schemas.config import parse_config
+    from rlpipe.schemas.config_files import parse_config
 
     cls = get_stage(name).config_class()
     return parse_config(cls, {**(fragment or {}), **assigned}, f"{source} ({name})")

@@ -8,16 +8,12 @@ import pytest
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from rlpipe.schemas.config import (
+from rlpipe.schemas.config import Input, Output, StageConfig, Variant, name_shorthand
+from rlpipe.schemas.config_files import (
     ConfigError,
-    Input,
-    Output,
-    StageConfig,
-    Variant,
     apply_overrides,
     describe_fields,
     load_config,
-    name_shorthand,
     union_tags,
 )
 

@@ -30,7 +30,7 @@ from rlpipe.schemas import (
     read_table_artifact,
 )
 from rlpipe.schemas.columns import LOGPROBS
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.advantage.config import AdvantageConfig

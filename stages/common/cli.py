@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from rlpipe.schemas.config import ConfigError, describe_fields, load_config
+from rlpipe.schemas.config_files import ConfigError, describe_fields, load_config
 from rlpipe.schemas.staging import discard_open_staging
 from rlpipe.stages.common.interrupt import exit_on_signals
 from rlpipe.stages.common.log import configure_logging

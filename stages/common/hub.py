@@ -73,7 +73,7 @@ def resolve_hub_inputs(config: Any) -> Any:
     checkpoint input, a reward-model component's `checkpoint`: a model repository; a data file to
     import: a dataset repository) replaced by its snapshot folder, one line logged for each (id,
     revision, commit); the same config when none is."""
-    from rlpipe.schemas.config import map_paths
+    from rlpipe.schemas.config_files import map_paths
 
     kinds = {name: marker.kind for name, marker in config.input_fields().items()}
 

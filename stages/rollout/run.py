@@ -26,7 +26,7 @@ from rlpipe.schemas import (
     Manifest,
     shard_name,
 )
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX, sampled_lengths
 from rlpipe.stages.common.progress import progress

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.stages.common.model_loading import compute_dtype
 from rlpipe.stages.common.process_state import register
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec

@@ -21,7 +21,7 @@ from rlpipe.schemas import (
     read_table_artifact,
     write_table_artifact,
 )
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.schemas.errors import DataError
 from rlpipe.schemas.staging import staged_directory
 from rlpipe.stages.common.forward import packs

@@ -44,7 +44,7 @@ def test_run_flow_and_stage_flow_under_prefect(prefect_harness, mini_preset_file
     assert (run_dir / "report/curves.png").is_file()
 
     # one stage alone on saved artifacts, as a flow: reproduces the run's artifact
-    from rlpipe.schemas.config import load_config
+    from rlpipe.schemas.config_files import load_config
     from rlpipe.stages.score.config import ScoreConfig
 
     # the saved YAML's paths are relative to its folder: load_config resolves them

@@ -14,7 +14,7 @@ from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset import load_preset
 from rlpipe.pipelines.runner import Pipeline
 from rlpipe.schemas import read_manifest, read_table_artifact
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 
 PPI, G = MINI["prompts_per_iteration"], MINI["rollout"]["group_size"]

@@ -74,7 +74,7 @@ def test_rerunning_one_stage_alone_reproduces_the_flow_artifact(mini_preset_file
 
 
 def test_a_different_preset_in_the_same_run_dir_is_refused(mini_preset_file, tmp_path):
-    from rlpipe.schemas.config import ConfigError
+    from rlpipe.schemas.config_files import ConfigError
 
     run_dir = tmp_path / "runs" / "mini"
     run_dir.mkdir(parents=True)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from rlpipe.pipelines.preset import builtin_presets, load_preset
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 
 
 def test_builtin_presets_exist():
@@ -233,7 +233,7 @@ def test_your_prompts_on_the_command_line_replace_a_builtin_presets_task(tmp_pat
     """`rlpipe run grpo model.base=CKPT data.prompts=FILE`: the preset's generated task goes (no
     `data.task=null` needed); set together with data.task, both stay and the preset says so."""
     from rlpipe.pipelines.preset import load_preset
-    from rlpipe.schemas.config import ConfigError
+    from rlpipe.schemas.config_files import ConfigError
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')

@@ -14,7 +14,7 @@ from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset import PRESETS_DIR, load_preset
 from rlpipe.pipelines.runner import Pipeline
 from rlpipe.schemas import read_manifest
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.stages import get_stage
 from rlpipe.stages.reward_model.core import chance_band, near_chance
 
@@ -110,7 +110,7 @@ def test_reward_model_at_chance_warns(tmp_path, tiny_policy_dir, caplog):
     import pyarrow as pa
 
     from rlpipe.schemas import PREFERENCES, write_table_artifact
-    from rlpipe.schemas.config import parse_config
+    from rlpipe.schemas.config_files import parse_config
 
     n = 40
     table = pa.table({"pair_id": [f"p{i}" for i in range(n)], "prompt": [f"{i}+1=" for i in range(n)],

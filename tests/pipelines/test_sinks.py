@@ -14,7 +14,7 @@ import pytest
 from rlpipe.pipelines.preset import load_preset
 from rlpipe.pipelines.report import run_table, sample_completions
 from rlpipe.pipelines.sinks import flatten
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 
 pytestmark = pytest.mark.loggers
 

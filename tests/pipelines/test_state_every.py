@@ -22,7 +22,7 @@ from rlpipe.pipelines.plan import Plan
 from rlpipe.pipelines.preset import load_preset
 from rlpipe.pipelines.runner import Pipeline
 from rlpipe.schemas import read_manifest
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 
 ITERATIONS = 4
 # MINI plus what makes every optimizer step move the policy (as in test_golden.py): a format

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rlpipe.schemas import PROMPTS, read_manifest, read_table_artifact
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.stages.rollout.environments.tools import (
     parse_tool_calls,
     tool_call_text,

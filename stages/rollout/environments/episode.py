@@ -89,7 +89,7 @@ def uses_chat_template(tokenizer: Any, chat_template: bool | str, checkpoint: An
     """Whether turns go through `tokenizer`'s chat template, by a stage's `chat_template` knob
     (true, false, or 'auto': when the tokenizer has one); a ConfigError naming `checkpoint` when
     it is true and the tokenizer has none. (The rollout and the sft stage decide it alike.)"""
-    from rlpipe.schemas.config import ConfigError
+    from rlpipe.schemas.config_files import ConfigError
 
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use = has_template if chat_template == "auto" else chat_template
@@ -102,7 +102,7 @@ def uses_chat_template(tokenizer: Any, chat_template: bool | str, checkpoint: An
 def refuse_system_prompt_without_template(system_prompt: str | None, checkpoint: Any) -> None:
     """A ConfigError naming `checkpoint` when a system prompt is set for turns that do not go
     through a chat template (a system turn is a chat turn)."""
-    from rlpipe.schemas.config import ConfigError
+    from rlpipe.schemas.config_files import ConfigError
 
     if system_prompt is not None:
         raise ConfigError(f"system_prompt is set but the tokenizer of {checkpoint} has no chat "

@@ -11,7 +11,8 @@ from typing import Literal
 import pytest
 import torch
 
-from rlpipe.schemas.config import ConfigError, Variant, parse_config, union_tags
+from rlpipe.schemas.config import Variant
+from rlpipe.schemas.config_files import ConfigError, parse_config, union_tags
 from rlpipe.stages.advantage.config import (
     AdvantageConfig,
     CustomEstimator,

@@ -9,7 +9,8 @@ from typing import Literal
 import pytest
 
 from rlpipe.schemas import SCORES, ArtifactWriter, read_manifest, read_table_artifact
-from rlpipe.schemas.config import ConfigError, Variant, load_config, union_tags
+from rlpipe.schemas.config import Variant
+from rlpipe.schemas.config_files import ConfigError, load_config, union_tags
 from rlpipe.schemas.rollouts import GREEDY_SAMPLE_INDEX
 from rlpipe.stages.filter.config import FilterConfig, PredicateConfig
 from rlpipe.stages.filter.predicates import GROUP_PREDICATES, drops, register_predicate

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlpipe.schemas import read_table_artifact, validate_artifact
-from rlpipe.schemas.config import ConfigError, parse_config
+from rlpipe.schemas.config_files import ConfigError, parse_config
 from rlpipe.stages.import_data.config import ImportDataConfig
 from rlpipe.stages.import_data.rows import content_id
 from rlpipe.stages.import_data.run import run

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.schemas import read_table_artifact
-from rlpipe.schemas.config import parse_config
+from rlpipe.schemas.config_files import parse_config
 from rlpipe.stages.import_data.config import ImportDataConfig
 from rlpipe.stages.import_data.run import run
 from rlpipe.stages.import_data.sources import DataImportError

@@ -192,7 +192,7 @@ def test_train_state_resume_equals_an_uninterrupted_run(tmp_path, tiny_tokenizer
 
 
 def test_lora_config_is_checked(tmp_path, artifacts, tiny_policy_dir, make_config, trained):
-    from rlpipe.schemas.config import ConfigError, parse_config
+    from rlpipe.schemas.config_files import ConfigError, parse_config
     from rlpipe.stages.optimize.config import OptimizeConfig
 
     with pytest.raises(ValueError, match="ZeRO 3"):

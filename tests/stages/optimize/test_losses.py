@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.schemas.config import ConfigError, load_config, union_tags
+from rlpipe.schemas.config_files import ConfigError, load_config, union_tags
 from rlpipe.stages.optimize.config import (
     CustomLoss,
     GSPOLoss,

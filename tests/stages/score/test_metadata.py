@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.schemas import read_table_artifact
-from rlpipe.schemas.config import parse_config
+from rlpipe.schemas.config_files import parse_config
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.run import run
 from rlpipe.stages.score.scorers import ScoreError, accepts_metadata

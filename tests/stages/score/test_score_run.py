@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rlpipe.schemas import exists, read_manifest, read_table_artifact, validate_artifact
-from rlpipe.schemas.config import ConfigError, parse_config, union_tags
+from rlpipe.schemas.config_files import ConfigError, parse_config, union_tags
 from rlpipe.schemas.staging import staging_path
 from rlpipe.stages.common.models import load_model
 from rlpipe.stages.reward_model.modeling import score_texts

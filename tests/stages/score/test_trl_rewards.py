@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rlpipe.schemas import ROLLOUTS, read_manifest, read_table_artifact, write_table_artifact
-from rlpipe.schemas.config import parse_config
+from rlpipe.schemas.config_files import parse_config
 from rlpipe.stages.score.config import ScoreConfig
 from rlpipe.stages.score.run import run
 from rlpipe.stages.score.scorers import ScoreError

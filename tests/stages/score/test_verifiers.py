@@ -122,7 +122,7 @@ def test_math_mode_in_another_thread_and_a_reference_without_math():
 def test_math_mode_without_its_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from rlpipe.schemas.config import ConfigError, parse_config
+    from rlpipe.schemas.config_files import ConfigError, parse_config
     from rlpipe.stages.score.config import AnswerMatchComponent
 
     real = importlib.util.find_spec

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlpipe.schemas import METRICS, PROMPTS, read_table_artifact, write_table_artifact
-from rlpipe.schemas.config import ConfigError
+from rlpipe.schemas.config_files import ConfigError
 from rlpipe.stages.base_model.run import make_base_checkpoint
 from rlpipe.stages.common.tiny import load_checkpoint
 from rlpipe.stages.rollout.environments.episode import ChatTurns
