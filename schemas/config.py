@@ -1,4 +1,5 @@
-"""Typed configs: pydantic v2 models, frozen and strict, loaded from YAML with readable errors.
+"""Typed configs: pydantic v2 models, frozen and strict (read from YAML and command-line overrides,
+with readable errors, by `schemas/config_files.py`).
 
 Every stage has one config model deriving from `StageConfig`. The same model is the CLI config,
 the Prefect flow parameter and what the manifest records; it is never changed at runtime.
