@@ -306,14 +306,12 @@ def _chunk_stats(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module,
     goes through autograd: log pi and its terms are kept for it.
     """
     z = finish(head(hidden).float())  # (N, V)
-    if entropy and entropy_grad and torch.is_grad_enabled():
-        lse = torch.logsumexp(z, dim=-1)
-        logp = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
-        log_pi = z - lse.unsqueeze(-1)
-        return logp, -(log_pi.exp() * log_pi).sum(-1)
     logp, lse = _TokenLogprob.apply(z, ids)
     if not entropy:
         return (logp,)
+    if entropy_grad and torch.is_grad_enabled():
+        log_pi = z - lse.unsqueeze(-1)
+        return logp, -(log_pi.exp() * log_pi).sum(-1)
     with torch.no_grad():
         z, lse = z.detach(), lse.detach()
         parts = []
