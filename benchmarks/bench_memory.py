@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="response tokens per row (2 rows)")
     parser.add_argument("--chunk", type=int, default=256, help="logprob_chunk_tokens of the after case "
                         "(default: the knob's default)")
-    parser.add_argument("--offload-size", default="1b", help="base_model.size of the offload case")
+    from rlpipe.stages.common.tiny import SIZES
+
+    parser.add_argument("--offload-size", default="1b", choices=list(SIZES), help="base_model.size of the offload case")
     parser.add_argument("--cases", nargs="+", default=[c for c in CASES if c != "offload"], choices=list(CASES))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -172,8 +172,11 @@ def _profiled(name: str) -> Iterator[None]:
         yield
     finally:
         profile.disable()
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        profile.dump_stats(Path(folder) / f"{name}.prof")
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            profile.dump_stats(Path(folder) / f"{name}.prof")
+        except OSError as e:  # (a profile that cannot be written does not fail the order)
+            _log.warning(f"[rlpipe worker] RLPIPE_PROFILE_DIR: could not write {name}.prof in {folder}: {e}")
 
 
 def _finish_background(wait: Any) -> int:
