@@ -197,7 +197,8 @@ def _manifest(path: Path) -> Any:
 
 def _bytes_written(run_dir: Path, k: int) -> tuple[int, int]:
     """(bytes iteration k's artifacts held when written, of those written on the critical path;
-    artifacts the keep rule pruned since count by their record)."""
+    artifacts the keep rule pruned since count by their record; weights never written,
+    `optimize.policy_weights: with_train_state`, count nothing)."""
     from rlpipe.pipelines.layout import RunLayout
     from rlpipe.schemas.pruning import PRUNED_NAME
 
@@ -206,7 +207,7 @@ def _bytes_written(run_dir: Path, k: int) -> tuple[int, int]:
     written = sorted({f.parent for name in ("_manifest.json", PRUNED_NAME) for f in folder.rglob(name)})
     for artifact in written:
         manifest = _manifest(artifact)
-        size = sum(f.bytes for f in manifest.files)
+        size = sum(f.bytes for f in manifest.files if f.name not in manifest.not_written)
         total += size
         if manifest.extra.get("written") != "background":
             critical += size

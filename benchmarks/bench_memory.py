@@ -322,12 +322,13 @@ def logprob_entropy(args: argparse.Namespace) -> dict[str, float]:
 
 
 def offload(args: argparse.Namespace) -> dict[str, float]:
-    f = {variant: _run_child(f"offload_{variant}", args, ranks=1)[0] for variant in OFFLOAD}
-    off = f["off"]
-    print(f"offload (ZeRO-3, one rank, base_model.size={args.offload_size}: {off['parameters'] / 1e9:.2f}B parameters, "
-          f"{off['device']}; held before the step / peak during it / step seconds):")
-    for variant, r in f.items():
-        print(f"  {variant:>20}: {r['held_mb']:,.0f} / {r['peak_mb']:,.0f} MB, {r['step_s']:.2f} s")
+    print(f"offload (ZeRO-3, one rank, base_model.size={args.offload_size}; held before the step / peak during "
+          "it / step seconds), each variant as it ends:", flush=True)
+    f = {}
+    for variant in OFFLOAD:
+        f[variant] = r = _run_child(f"offload_{variant}", args, ranks=1)[0]
+        print(f"  {variant:>20}: {r['held_mb']:,.0f} / {r['peak_mb']:,.0f} MB, {r['step_s']:.2f} s "
+              f"({r['parameters'] / 1e9:.2f}B parameters, {r['device']})", flush=True)
     return {"size": args.offload_size, **f}
 
 

@@ -211,17 +211,45 @@ class Plan:
             # Stale samples: weight each token by min(pi_old / pi_behaviour, C) against the
             # engine's log-probs (docs/algorithms.md#async); the preset may set its own cap or null.
             optimize["tis_cap"] = ASYNC_TIS_CAP
-        n = self.call("optimize", cfgs, **optimize).config.state_every or self.default_state_every()
+        plain = self.call("optimize", cfgs, **optimize).config
+        n = plain.state_every or self.default_state_every()
         saved = n * (k // n) - 1
+        evaluates = k == p.iterations - 1 or bool(p.eval_every and (k + 1) % p.eval_every == 0)
+        if plain.policy_weights == "with_train_state":
+            self._check_policy_weights_in_memory()
+            if evaluates:  # (the evaluation reads the policy's files)
+                optimize["policy_weights"] = "every_iteration"
         calls.append(self.call("optimize", cfgs, **optimize,
                                train_state=L.stage(saved, "train_state") if saved >= 0 else None,
                                replay=[L.stage(i, "policy") for i in range(saved + 1, k)],
                                train_state_output=L.stage(k, "train_state")
                                if (k + 1) % n == 0 or k == p.iterations - 1 else None))
-        if k == p.iterations - 1 or (p.eval_every and (k + 1) % p.eval_every == 0):
+        if evaluates:
             calls.append(self.evaluate(cfgs, checkpoint=L.stage(k, "policy"), prompts=heldout,
                                        output=L.stage(k, "eval"), run=L.name, iteration=k + 1))
         return calls
+
+    def _check_policy_weights_in_memory(self) -> None:
+        """`optimize.policy_weights: with_train_state` leaves the policies between train-state saves
+        in memory only: refused where the next rollout would read them from disk."""
+        p, launch = self.preset, self.preset.launch
+        engine = (p.fragment("rollout") or {}).get("engine", "transformers")
+        placed = {stage: launch.placement(stage) is not None for stage in ("rollout", "optimize")}
+        why = None
+        if self.staleness:
+            why = "an asynchronous run (async.staleness > 0) samples from older policies than the one in memory"
+        elif (p.fragment("optimize") or {}).get("lora") is not None:
+            why = "a LoRA policy's merged weights are written every iteration, not handed over"
+        elif not any(placed.values()):
+            if engine != "transformers":
+                why = ("the vllm engine in the driver's process reads the policy from disk (resident rollout "
+                       "members take it over the weight channel)")
+        elif not (all(placed.values()) and launch.resident and launch.weight_channel):
+            why = ("the rollout reads it from disk unless rollout and optimize both run in the driver's process, "
+                   "or both as resident workers with launch.weight_channel")
+        if why is not None:
+            raise ConfigError(f"{self.source}: optimize.policy_weights: with_train_state needs the next rollout to take "
+                              f"the new policy from memory, but {why}; set optimize.policy_weights: every_iteration")
 
     def default_state_every(self) -> int:
         """Iterations between train-state saves when the preset names none (optimize.state_every):

@@ -94,12 +94,16 @@ class Pipeline:
     def execute(self, call: StageCall, seconds: dict[str, float]) -> Manifest:
         """Save the call's config as YAML (so the stage can be rerun alone: `rlpipe stage <name> -c
         <that file>`) and run it through `call`, adding its time to `seconds`."""
-        write_if_changed(call.config_file, yaml.dump(_relative_paths(call.config, call.config_dir), Dumper=_DUMPER,
-                                                     sort_keys=False).encode())
+        self._save_config(call)
         started = time.perf_counter()
         manifest = self._call_retrying(call)
         seconds[call.name] = seconds.get(call.name, 0.0) + time.perf_counter() - started
         return manifest
+
+    @staticmethod
+    def _save_config(call: StageCall) -> None:
+        write_if_changed(call.config_file, yaml.dump(_relative_paths(call.config, call.config_dir), Dumper=_DUMPER,
+                                                     sort_keys=False).encode())
 
     def _call_retrying(self, call: StageCall) -> Manifest:
         """`call(call)`; a placed stage whose worker was lost (a `MachineError`) is called again,
@@ -116,6 +120,7 @@ class Pipeline:
                 if getattr(e, "node", None) is not None:  # (a node lost: rerun once the scheduler has nodes)
                     raise
                 self.log(f"retrying {call.name} ({attempt + 1}/{retries}), a worker was lost: {e}")
+                self._recompute_unwritten_policy()  # (a new rollout group holds no policy yet)
         return self.call(call)
 
     def run(self) -> list[IterationRecord]:
@@ -143,6 +148,7 @@ class Pipeline:
             self.execute(call, setup)
         self.log(f"start: {self._eval_line(L.initial_eval())}  (setup {_fmt(setup)})")
         self._last_done = time.perf_counter()
+        self._recompute_unwritten_policy()
         if self.overlaps:
             run_overlapped(p.iterations, self.plan.staleness, calls=self.plan.iteration, execute=self.execute,
                            finish=self.finish, interrupt=self.launcher.close)
@@ -162,6 +168,28 @@ class Pipeline:
         monitor.close()  # closes the sinks, writes the final report
         self.log(f"final: {self._eval_line(self._last_eval())}   report: {L.report}/")
         return self.records
+
+    def _recompute_unwritten_policy(self) -> None:
+        """A resumed run (or a rollout retried on new workers) whose next rollout samples from a
+        policy whose weights were never written (`optimize.policy_weights: with_train_state`) and
+        that this process does not hold: that policy's optimize run is rerun first (the same bytes:
+        its steps replayed from the last saved train state), so the rollout takes it from memory,
+        or from its files where no rollout member is live to receive it."""
+        from rlpipe.schemas.reading import exists, read_manifest
+        from rlpipe.stages.common.models import holds
+
+        L, last = self.layout, self.preset.iterations - 1
+        k = next((k for k in reversed(range(last)) if exists(L.stage(k, "policy"))), None)
+        if k is None or exists(L.stage(k + 1, "rollouts")):
+            return
+        manifest = read_manifest(L.stage(k, "policy"))
+        if not manifest.not_written or holds(manifest.content_hash):
+            return
+        self.log(f"iteration {k + 1}'s policy ({L.stage(k, 'policy')}) was held in memory only (optimize.policy_weights: "
+                 "with_train_state): rerunning its optimize run for the next rollout")
+        call = next(c for c in self.plan.iteration(k) if c.name == "optimize")
+        self._save_config(call)
+        self.launcher(call, force=True)
 
     @property
     def overlaps(self) -> bool:

@@ -75,6 +75,10 @@ def validate_artifact(path: Path | str, schema: ArtifactSchema | str | None = No
     actual: dict[str, FileInfo] = {}
     for info in manifest.files:
         fpath = path / info.name
+        if info.name in manifest.not_written:  # (a record of weights held in memory only)
+            if fpath.exists():
+                problems.append(f"{fpath}: the manifest says it was never written, yet it is there")
+            continue
         if not fpath.is_file():
             problems.append(f"{fpath}: listed in the manifest but missing")
             continue

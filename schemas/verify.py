@@ -205,7 +205,8 @@ def listed_entry(path: Path | str) -> FileInfo | None:
 
 def verify_checkpoint(path: Path | str) -> Manifest | None:
     """Check a checkpoint directory against its manifest before it is loaded: every listed file
-    present with its sha256, no other (non-hidden) file beside them. Returns the manifest, or None
+    present with its hash (but those it says were never written), no other (non-hidden) file
+    beside them. Returns the manifest, or None
     for a directory without one (a Hugging Face directory made outside rlpipe: nothing promised).
     """
     path = Path(path)
@@ -217,7 +218,8 @@ def verify_checkpoint(path: Path | str) -> Manifest | None:
         raise ArtifactError(f"{path} is a {manifest.kind} artifact, not a checkpoint")
     listed = {f.name for f in manifest.files}
     for info in manifest.files:
-        verify_file(path / info.name, info)
+        if info.name not in manifest.not_written:  # (weights only memory held: `Manifest.not_written`)
+            verify_file(path / info.name, info)
     stray = sorted(str(p.relative_to(path)) for p in path.rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME and not p.name.startswith(".")
                    and str(p.relative_to(path)) not in listed)

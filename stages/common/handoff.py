@@ -283,7 +283,7 @@ _FORM: list[SavedForm] = []
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
               manifest_fields: Mapping[str, Any], copy: bool = True, stable: bool = False,
               send: Callable[[Path, Manifest, dict[str, Any]], bool] | None = None,
-              copy_dtype: torch.dtype = torch.float32) -> tuple[Manifest, Any]:
+              copy_dtype: torch.dtype = torch.float32, write_weights: bool = True) -> tuple[Manifest, Any]:
     """Save `module` + `tokenizer` as the checkpoint `out` in the background; returns its manifest
     (decided now) and, with `copy`, a copy of the model (on its device, in `copy_dtype`: what the
     next stage computes in) for the next stage in this process (see the module doc).
@@ -298,6 +298,10 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
             the manifest before the write starts: the weight channel to the resident rollout
             members (weight_channel.py), which reads nothing of the disk. Its failure is its own
             to report: the file is written either way.
+        write_weights: False: the weight files are hashed (the manifest is the same) but never
+            written (`Manifest.not_written`): the policy between two train-state saves with
+            `optimize.policy_weights: with_train_state`, which only the copy or the channel
+            carries on. Where `send` fails they are written after all (a member may read them).
     """
     from rlpipe.stages.common.tiny import save_pretrained
 
@@ -312,16 +316,34 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
             _FORM[:] = [f for f in [saved_form(module, tokenizer, max_shard_size, staging, weights, sources)] if f]
         known = {name: FileInfo.of(name, len(file), file.digest()) for name, file in weights.items()}
         manifest = checkpoint_manifest(staging, known=known, **manifest_fields)
+        if not write_weights:
+            held = checkpoint_manifest(staging, known=known, not_written=tuple(known), **manifest_fields)
     except BaseException as e:
         raise_staging_failure(e, staging, out)
     if send is not None:
         small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
-        send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small})
+        sent = send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small})
+        write_weights = write_weights or not sent
+    if not write_weights:  # (the same files and content hash; only the record says what is on disk)
+        manifest, weights = held, {}
     copy = model_copy(module, copy_dtype, taken=taken) if copy else None
     pending_artifacts.register(out, manifest, wait=wait_for_background)
     # (detached where the files are written from snapshots: optimize's next step may change the module meanwhile)
     in_background(lambda: _write(staging, out, weights, manifest), str(out), detached=snapshot)
     return manifest, copy
+
+
+def weight_files(module: Any, tokenizer: Any, max_shard_size: int | str) -> dict[str, FileInfo]:
+    """The manifest entries of the weight files `hand_over` would write for `module` (the same
+    bytes), hashed in memory: nothing is written. What a checkpoint whose weights were never
+    written (`Manifest.not_written`) is checked against."""
+    import tempfile
+
+    from rlpipe.stages.common.tiny import save_pretrained
+
+    with tempfile.TemporaryDirectory() as scratch, weights_in_memory(snapshot=False) as (weights, _, _):
+        save_pretrained(module, tokenizer, scratch, max_shard_size=max_shard_size)
+    return {name: FileInfo.of(name, len(file), file.digest()) for name, file in weights.items()}
 
 
 def _write(staging: Path, out: Path, weights: dict[str, WeightFile], manifest: Manifest) -> None:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlpipe.schemas.manifest import MANIFEST_NAME
+from rlpipe.schemas.errors import ArtifactError
+from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
 from rlpipe.schemas.verify import verify_checkpoint
 from rlpipe.stages.common.model_loading import current
 
@@ -137,10 +138,13 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
         return MODELS.cache[_cache_key(path, kind, dtype)]
     if not path.is_dir() and pending_manifest(path) is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
+    manifest = verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
     if not cache:
+        _refuse_unwritten(path, manifest)
         return load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
     key = _cache_key(path, kind, dtype)
+    if key not in MODELS.cache:
+        _refuse_unwritten(path, manifest)
     if slot is not None:
         if key in MODELS.cache:  # (the local runner: the checkpoint optimize just saved, from memory)
             MODELS.last_load[slot] = "cache"
@@ -153,6 +157,18 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
             MODELS.cache.pop(next(iter(MODELS.cache)))
         MODELS.cache[key] = load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
     return MODELS.cache[key]
+
+
+def _refuse_unwritten(path: Path, manifest: Manifest | None) -> None:
+    """A checkpoint whose weights were never written (`Manifest.not_written`) cannot be loaded
+    from its files: say which, why, and what to do."""
+    if manifest is not None and manifest.not_written:
+        raise ArtifactError(
+            f"{path}: its weights ({', '.join(manifest.not_written)}) were never written: with "
+            "optimize.policy_weights: with_train_state only the iterations that save the train state (and the "
+            "last one) write them, and this process does not hold them in memory. Load the policy of such an "
+            "iteration, or rerun the run (`rlpipe run`), which recomputes it; set optimize.policy_weights: "
+            "every_iteration to write every policy")
 
 
 def load_into_slot(slot: str, path: Path, kind: str, key: str, dtype: Any) -> Slot:
@@ -223,13 +239,16 @@ def slot_load(slot: str) -> str | None:
 
 #: Weight files: everything else in a checkpoint directory is part of its architecture.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
-#: config.json keys that say where and by what it was saved, not what the model is.
-_CONFIG_PROVENANCE = ("_name_or_path", "transformers_version")
+#: Keys that say where and by what a file was saved, not what the model is: config.json's, and
+#: tokenizer_config.json's (transformers 5 adds how the tokenizer was last loaded: the base model's
+#: tokenizer, re-saved by optimize, would otherwise be another architecture than the policies').
+_PROVENANCE = {"config.json": ("_name_or_path", "transformers_version"),
+               "tokenizer_config.json": ("is_local", "local_files_only", "_commit_hash")}
 
 
 def architecture(path: Path | str) -> str:
     """Digest of every top-level file of a checkpoint except its weights and manifest (config.json
-    without provenance keys): equal digests, a model (or vLLM engine) built from one checkpoint
+    and tokenizer_config.json without provenance keys): equal digests, a model (or vLLM engine) built from one checkpoint
     takes the other's weights unchanged. Conservative on purpose: a changed tokenizer, chat
     template or generation config (its EOS ids) counts as another architecture."""
     return architecture_of({f.name: f.read_bytes() for f in Path(path).iterdir()
@@ -242,9 +261,9 @@ def architecture_of(files: Mapping[str, bytes]) -> str:
     for name, data in sorted(files.items()):
         if name == MANIFEST_NAME or name.endswith(_WEIGHT_SUFFIXES):
             continue
-        if name == "config.json":
+        if name in _PROVENANCE:
             config = json.loads(data)
-            for k in _CONFIG_PROVENANCE:
+            for k in _PROVENANCE[name]:
                 config.pop(k, None)
             data = json.dumps(config, sort_keys=True).encode()
         h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
@@ -309,6 +328,12 @@ def remember(path: Path | str, kind: str, model: Any, tokenizer: Any) -> None:
     if len(cache) >= _MAX_ENTRIES:
         cache.pop(next(iter(cache)))
     cache[_cache_key(path, kind, next(model.parameters()).dtype)] = (model, tokenizer)
+
+
+def holds(content_hash: str) -> bool:
+    """Whether this process holds the weights of the checkpoint with `content_hash` (cached or in a slot)."""
+    return (any(key[0] == content_hash for key in MODELS.cache)
+            or any(held.key == content_hash for held in MODELS.slots.values()))
 
 
 def _cache_key(path: Path | str, kind: str, dtype: Any) -> tuple[str, str, Any, Any]:

@@ -222,6 +222,19 @@ class OptimizeConfig(StageConfig):
     (a 7B model: ~100 GB), and trainers save on a cadence (NeMo-RL and SkyRL every 10 steps, verl
     and OpenRLHF only when asked); a crash then costs at most 9 replayed optimize runs, which
     resume recomputes from artifacts instead of losing them (docs/design.md#train-state)."""
+    policy_weights: Annotated[Literal["every_iteration", "with_train_state"], Runtime()] = "every_iteration"
+    """Which iterations write the new policy's weight files. 'every_iteration': all (every policy
+    can be loaded later: a rollout or evaluation rerun alone from any iteration). 'with_train_state':
+    only those that save the train state (`state_every`), the last one and those that evaluate;
+    between them the checkpoint holds its config, tokenizer and a manifest with the weights' hashes
+    (the same content hash: `Manifest.not_written`), and the weights reach the next rollout in memory
+    only (the local runner's transformers engine, or resident members over the weight channel). For a
+    policy whose write takes longer than an iteration's compute (a 1B bf16 policy is 1.9 GB: ~1.8 s
+    at 1.1 GB/s, against ~0.35 s of compute on an H200; docs/cluster.md#gpu). A resumed run
+    recomputes the unwritten policy it needs by rerunning its optimize run (the same bytes, replayed
+    from the last saved train state like `state_every`'s). Where the policy is not handed over in
+    memory (several ranks without resident workers, LoRA) every iteration writes it. Not part of the
+    cache key: the checkpoint's content is the same either way."""
     background_state_save: bool = True
     """Write the train state in a background thread after the policy checkpoint (which the next
     rollout reads), so it leaves the critical path: the next stages run while it is written, and

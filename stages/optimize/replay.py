@@ -127,7 +127,7 @@ def engines_for(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], inputs: d
             work = prepare(step, d)
             engines = _fit(E, engines, step, work.dscfg, state, d.rank, beside)
             train(E, step, work, engines, tokenizer.pad_token_id, d.world_size, {})
-        check_replayed(engines, config.replay[-1], manifests[-1])
+        check_replayed(engines, config.replay[-1], manifests[-1], tokenizer)
         timing["replay_s"] = time.perf_counter() - mark
         timing["replayed_runs"] = float(len(manifests) - (held or 0))
         if d.rank == 0:  # (a resume, or launches that keep no engine: say what the cadence cost)
@@ -289,12 +289,16 @@ def _find(manifest: Manifest, name: str, checkpoint: Path, where: str) -> str:
                     "deleting the policy checkpoints after it")
 
 
-def check_replayed(engines: Engines, checkpoint: Path, manifest: Manifest) -> None:
-    """The replayed policy's weights equal the saved checkpoint's, bit for bit (see the module doc)."""
+def check_replayed(engines: Engines, checkpoint: Path, manifest: Manifest, tokenizer: Any) -> None:
+    """The replayed policy's weights equal the saved checkpoint's, bit for bit (see the module doc);
+    for a checkpoint whose weights were never written, their bytes hash to what its manifest lists."""
     from safetensors.torch import load_file
 
     from rlpipe.stages.common.deepspeed import full_parameters
 
+    if manifest.not_written:
+        _check_replayed_hashes(engines, checkpoint, manifest, tokenizer)
+        return
     saved: dict[str, torch.Tensor] = {}
     for file in sorted(Path(checkpoint).glob("*.safetensors")):
         saved.update(load_file(file))
@@ -320,3 +324,21 @@ def check_replayed(engines: Engines, checkpoint: Path, manifest: Manifest) -> No
             "changed, or the steps are not deterministic (another world size, ZeRO stage, dtype or device than the "
             "run that wrote it; nondeterministic GPU kernels). Rerun on the setup that wrote it, or delete the "
             "policy checkpoints after the last saved train_state to recompute them")
+
+
+def _check_replayed_hashes(engines: Engines, checkpoint: Path, manifest: Manifest, tokenizer: Any) -> None:
+    from rlpipe.stages.common.deepspeed import full_parameters
+    from rlpipe.stages.common.handoff import weight_files
+
+    with full_parameters(engines.policy) as module:
+        replayed = weight_files(module, tokenizer, manifest.config["max_shard_size"])
+    listed = {f.name: f for f in manifest.files if f.name in manifest.not_written}
+    differ = sorted(name for name in listed.keys() | replayed.keys()
+                    if name not in listed or name not in replayed or replayed[name].tagged_digest != listed[name].tagged_digest)
+    if differ:
+        raise UserError(
+            f"replaying the optimize runs up to {checkpoint} gave other weights than its manifest records (weights "
+            f"held in memory only, optimize.policy_weights: with_train_state): {', '.join(differ)} differ. An input "
+            "of a replayed run changed, or the steps are not deterministic (another world size, ZeRO stage, dtype or "
+            "device than the run that wrote it; nondeterministic GPU kernels). Rerun on the setup that wrote it, or "
+            "delete the policy checkpoints after the last saved train_state to recompute them")

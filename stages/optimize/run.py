@@ -121,7 +121,8 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
                         # the engine's own tensors (the next run waits for the write), or the host
                         # copy ZeRO-3 gathered module by module (nobody else holds it)
                         stable=whole is not engine.module or engine.zero_optimization_stage() < 3,
-                        send=CHANNEL.send if sends else None, manifest_fields=dict(
+                        send=CHANNEL.send if sends else None, write_weights=_writes_policy_weights(config),
+                        manifest_fields=dict(
                             stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
                             extra={**extra, "written": "background"}, wall_time_s=time.time() - started))
             handed = _known_on_every_rank(out, decided, rank)
@@ -168,6 +169,12 @@ def _known_on_every_rank(out: Path, decided: Manifest | None, rank: int) -> Mani
     if rank != 0:
         register_elsewhere(out, manifest)
     return manifest
+
+
+def _writes_policy_weights(config: OptimizeConfig) -> bool:
+    """Whether the policy handed over in memory is also written whole (`policy_weights`): always,
+    but between train-state saves with 'with_train_state'."""
+    return config.policy_weights == "every_iteration" or config.train_state_output is not None
 
 
 def _hands_over() -> bool:

@@ -389,3 +389,33 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     again = Driver(failing, preset)
     assert again.wait(600) == 0, again.output
     assert _hashes(failing / "runs" / "mini") == _hashes(reference.run_dir)
+
+
+# `optimize.policy_weights: with_train_state` on the channel run: policies 0 and 1 are sent, never
+# written (the state is saved by iteration 2 alone). A member SIGKILLed mid-receive of policy 0:
+# the rollout is retried on a new group, which holds no policy; the driver first reruns optimize 0
+# (no receiver is live, so it writes the weights), the new members read them, and the run ends as
+# the uninterrupted in-process run that writes every policy.
+def test_a_policy_held_in_memory_only_is_recomputed_for_a_new_rollout_group(tmp_path):
+    preset, reference, root, run_dir = _with_reference(tmp_path, CHANNEL)
+    pause = tmp_path / "paused"
+    d = Driver(root, preset, "optimize.state_every=3", "optimize.policy_weights=with_train_state",
+               env=_paused("rlpipe.stages.common.weight_channel:receive_files@1", pause))
+    member = _held(pause, d)
+    wait_for((run_dir / "iter_0000" / "policy" / "_manifest.json").is_file, 60, driver=d)
+    assert read_manifest_json(run_dir / "iter_0000" / "policy")["not_written"] == ["model.safetensors"]
+    os.kill(member, signal.SIGKILL)
+    assert d.wait(600) == 0, d.output
+    assert "retrying rollout (1/1), a worker was lost" in d.output, d.output
+    assert "iteration 1's policy" in d.output and "rerunning its optimize run" in d.output, d.output
+    assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference.run_dir)
+    policies = [read_manifest_json(run_dir / f"iter_{k:04d}" / "policy") for k in range(3)]
+    assert [p["not_written"] for p in policies] == [[], ["model.safetensors"], []]
+    assert [(run_dir / f"iter_{k:04d}" / "policy" / "model.safetensors").is_file() for k in range(3)] == [True, False, True]
+    loads = [read_manifest_json(run_dir / f"iter_{k:04d}" / "rollouts")["extra"]["timing"]["model_load"] for k in range(3)]
+    assert loads == ["loaded", "loaded", "channel"]  # (iteration 1's new group read policy 0's rewritten files)
+
+
+def read_manifest_json(artifact: Path) -> dict:
+    return json.loads((artifact / "_manifest.json").read_text())

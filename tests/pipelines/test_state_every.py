@@ -141,3 +141,90 @@ def test_a_killed_run_resumes_by_replaying_from_the_saved_state(every_1, tmp_pat
                                    f"train_state_output={again}/state"]) == 0
     assert _replayed_runs(again / "policy") == 1.0
     assert read_manifest(again / "policy").content_hash == _hashes(every_1)[3]
+
+
+# -- optimize.policy_weights: with_train_state ----------------------------------------------------
+# The policies between train-state saves are hashed but not written; the next rollout takes them
+# from memory. With state_every 3 over 4 iterations the states are saved by iterations 2 and 3, so
+# policies 0 and 1 are unwritten (their manifests list the weights), 2 and 3 written whole.
+
+def _in_memory_preset(folder: Path) -> Path:
+    path = folder / "in_memory.yaml"
+    path.write_text(yaml.safe_dump({**PRESET, "optimize": {**PRESET["optimize"], "state_every": 3,
+                                                           "policy_weights": "with_train_state"}}))
+    return path
+
+
+def _weights(policy: Path) -> list[str]:
+    return sorted(p.name for p in policy.glob("*.safetensors"))
+
+
+def test_the_plan_writes_the_weights_with_the_train_state_and_for_each_evaluation(tmp_path):
+    plan = Plan(load_preset("grpo", ["optimize.state_every=3", "optimize.policy_weights=with_train_state",
+                                     "iterations=7", "eval_every=2"]), RunLayout(tmp_path))
+    # the stage leaves a policy unwritten where it saves no state; evaluated ones (k = 1, 3, 5, 6) are written
+    got = [(_optimize(plan, k).policy_weights, _optimize(plan, k).train_state_output is not None) for k in range(7)]
+    assert got == [("with_train_state", False), ("every_iteration", False), ("with_train_state", True),
+                   ("every_iteration", False), ("with_train_state", False), ("every_iteration", True),
+                   ("every_iteration", True)]
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["async.staleness=1", "launch.launcher=processes", "launch.resident=true", "launch.optimize.ranks_per_node=1",
+      "launch.rollout.workers=1"], "asynchronous run"),
+    (["optimize.lora={r: 4}"], "LoRA"),
+    (["rollout.engine=vllm"], "vllm engine in the driver's process"),
+    (["launch.launcher=processes", "launch.resident=true", "launch.rollout.workers=1"],
+     "unless rollout and optimize both run in the driver's process"),
+    (["launch.launcher=processes", "launch.resident=true", "launch.rollout.workers=1",
+      "launch.optimize.ranks_per_node=1", "launch.weight_channel=false"], "launch.weight_channel"),
+])
+def test_policies_held_in_memory_only_where_the_rollout_takes_them_from_memory(tmp_path, overrides, why):
+    with pytest.raises(ConfigError, match=f"optimize.policy_weights: with_train_state needs .*{why}.*"
+                                          "set optimize.policy_weights: every_iteration"):
+        load_preset("grpo", ["optimize.policy_weights=with_train_state", *overrides])  # (a preset is planned on load)
+
+
+@pytest.mark.train_state
+@pytest.mark.integration
+@pytest.mark.slow
+def test_policies_held_in_memory_resume_to_the_same_run(every_1, tmp_path):
+    """Uninterrupted, then killed after iteration 1 (both policies unwritten) and resumed as a new
+    process would (no warm engine, no model in memory): every policy, rollout and metric has the
+    hashes of the run that writes every policy, and only the saved iterations' weights are on disk."""
+    from rlpipe.schemas import validate_artifact
+    from rlpipe.schemas.errors import ArtifactError
+    from rlpipe.stages.common.models import clear_cache, load_model
+    from rlpipe.stages.optimize.run import clear_warm
+
+    preset = _in_memory_preset(tmp_path)
+    run = _run(preset, tmp_path / "run")
+    for artifact in ("policy", "rollouts", "metrics"):
+        assert _hashes(run, artifact) == _hashes(every_1, artifact), artifact
+    policies = [run / f"iter_{k:04d}" / "policy" for k in range(ITERATIONS)]
+    assert [_weights(p) for p in policies] == [[], [], ["model.safetensors"], ["model.safetensors"]]
+    assert [read_manifest(p).not_written for p in policies] == [["model.safetensors"]] * 2 + [[]] * 2
+    assert all(validate_artifact(p) == [] for p in policies)
+    clear_cache()
+    with pytest.raises(ArtifactError, match=r"iter_0001/policy: its weights \(model.safetensors\) were never written"):
+        load_model(policies[1])
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_iteration_1(record):
+        if record.iteration == 1:
+            raise Killed
+
+    resumed, lines = tmp_path / "resumed" / "run", []  # (named as the others: the rows record the run's name)
+    with pytest.raises(Killed):
+        Pipeline(load_preset(preset), resumed, on_iteration=kill_after_iteration_1, log=lambda s: None).run()
+    assert not (resumed / "iter_0002" / "rollouts").exists()
+    clear_warm()
+    clear_cache()
+    Pipeline(load_preset(preset), resumed, log=lines.append).run()
+    assert any("iteration 2's policy" in line and "rerunning its optimize run" in line for line in lines)
+    # the rerun replayed iteration 0's optimize run, checked against the hashes its manifest lists
+    assert _replayed_runs(resumed / "iter_0001" / "policy") == 1.0
+    for artifact in ("policy", "rollouts", "metrics"):
+        assert _hashes(resumed, artifact) == _hashes(every_1, artifact), artifact

@@ -101,7 +101,8 @@ def test_reference_on_cuda_matches_cpu(tmp_path, rollouts_dir, tiny_policy_dir, 
         pytest.skip("no CUDA device")
     from rlpipe.stages.common.models import clear_cache
 
-    base = dict(rollouts=rollouts_dir, reference_model=tiny_policy_dir, critic=critic_dir, batch_size=4)
+    # fp32 on both ('auto' would be bf16 on the GPU): the same math, to float rounding
+    base = dict(rollouts=rollouts_dir, reference_model=tiny_policy_dir, critic=critic_dir, batch_size=4, dtype="fp32")
     try:
         run_reference(ReferenceConfig(**base, output=tmp_path / "cpu", device="cpu"))
         run_reference(ReferenceConfig(**base, output=tmp_path / "gpu", device="cuda"))

@@ -27,7 +27,8 @@ def _fresh_models(fresh_process_state):
 
 
 def _config(policy, prompts, out, **kw) -> RolloutConfig:
-    return RolloutConfig(checkpoint=policy, prompts=prompts, output=out, device="cuda", **kw)
+    # fp32 on the GPU too (model.dtype's 'auto' would be bf16 there): the same math as the CPU's
+    return RolloutConfig(checkpoint=policy, prompts=prompts, output=out, device="cuda", dtype="fp32", **kw)
 
 
 def test_sampling_on_cuda_passes_every_rollout_check(tiny_policy_dir, prompts_dir, tmp_path, rollout_check):
