@@ -313,11 +313,9 @@ def checkpoint_manifest(
     extra: Mapping[str, Any] | None = None,
     wall_time_s: float = 0.0,
     known: Mapping[str, FileInfo] | None = None,
-    not_written: tuple[str, ...] = (),
 ) -> Manifest:
     """The manifest of the checkpoint directory `path`: every file in it, hashed, plus the files
-    `known` describes by the bytes they will hold (written later, in the background: handoff.py),
-    or would hold: those of them named in `not_written` are never written (`Manifest.not_written`)."""
+    `known` describes by the bytes they will hold (written later, in the background: handoff.py)."""
     path = Path(path)
     known = dict(known or {})
     files = [
@@ -331,7 +329,6 @@ def checkpoint_manifest(
         kind="checkpoint",
         files=files,
         content_hash=content_hash(files),
-        not_written=sorted(not_written),
         stage=stage,
         config=dict(config or {}),
         inputs=dict(inputs or {}),

@@ -37,6 +37,16 @@ def import_deepspeed():
     return deepspeed
 
 
+def number_parameters_from_zero() -> None:
+    """ZeRO-3 numbers each parameter it partitions (`ds_id`) from a counter shared by the whole
+    process, and its optimizer state saves those numbers, so a train state's bytes would depend on
+    how many ZeRO-3 models the process built before: the same run resumed in a new process wrote a
+    state of another content hash than uninterrupted (its tensors equal). Called before each build
+    of the optimize engines (the engines before them destroyed), the numbers depend on the models alone."""
+    deepspeed = import_deepspeed()
+    deepspeed.zero.Init.param_id = 0
+
+
 def use_bf16(dtype: str) -> bool:
     """Train in bf16? `dtype` is a `ComputeDtype`: 'bf16', 'fp32' or 'auto' (bf16 exactly when CUDA
     is present)."""
@@ -199,12 +209,14 @@ def _clear_stale_build_lock(lock: Path) -> None:
 
 
 @contextlib.contextmanager
-def full_parameters(engine: Any, *, rank: int | None = None) -> Iterator[torch.nn.Module | None]:
+def full_parameters(engine: Any, *, rank: int | None = None,
+                    device: torch.device | str = "cpu") -> Iterator[torch.nn.Module | None]:
     """The engine's module with every parameter whole; a collective under ZeRO-3 (every rank calls).
 
     ZeRO 0-2: the module itself. ZeRO-3: a Hugging Face model's parameters are gathered one module
-    at a time (`gathered_by_module`) and copied to host memory on `rank` (None: every rank), where
-    a plain copy of the model is built from them (no DeepSpeed hooks, the parameters' dtype); ranks
+    at a time (`gathered_by_module`) and copied to `device` (host memory by default) on `rank`
+    (None: every rank), where a plain copy of the model is built from them (no DeepSpeed hooks, the
+    parameters' dtype; on a GPU, the copy the next stage of this process samples with); ranks
     that keep none get None, and with `rank` given they only send their partitions (a gather to
     `rank`, a parameter at a time). So no accelerator holds more than its partition plus one
     module's parameters: gathered at once, a 70B bf16 model is 140 GB on every GPU. Another module (a LoRA
@@ -216,16 +228,18 @@ def full_parameters(engine: Any, *, rank: int | None = None) -> Iterator[torch.n
     elif isinstance(engine.module, PreTrainedModel):
         keep = rank is None or not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank
         writer = rank if rank is not None and torch.distributed.is_initialized() else None
-        yield gathered_by_module(engine.module, keep=keep, writer=writer)
+        yield gathered_by_module(engine.module, keep=keep, writer=writer, device=device)
     else:
         deepspeed = import_deepspeed()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             yield engine.module
 
 
-def gathered_by_module(model: Any, *, keep: bool, writer: int | None = None) -> Any:
-    """A plain host copy of ZeRO-3-partitioned `model` (a Hugging Face model), its parameters
-    gathered one module at a time and copied to the CPU, each gather released before the next;
+def gathered_by_module(model: Any, *, keep: bool, writer: int | None = None,
+                       device: torch.device | str = "cpu") -> Any:
+    """A plain copy of ZeRO-3-partitioned `model` (a Hugging Face model) on `device` (the host by
+    default), its parameters gathered one module at a time and copied there, each gather released
+    before the next;
     with `keep` False this rank only takes part in the gathers and gets None. Tied parameters are
     gathered and copied once.
 
@@ -242,19 +256,20 @@ def gathered_by_module(model: Any, *, keep: bool, writer: int | None = None) -> 
         fresh = [p for _, p in params if id(p) not in copied]
         if fresh and writer is not None and all(_gatherable(p) for p in fresh):
             for p in fresh:
-                whole = _gathered_to(p, writer)  # (a collective: every rank calls it)
+                whole = _gathered_to(p, writer, device)  # (a collective: every rank calls it)
                 copied[id(p)] = whole if keep else p
         elif fresh:
             with deepspeed.zero.GatheredParameters(fresh, modifier_rank=None):
                 for p in fresh:
-                    copied[id(p)] = p.detach().to(device="cpu", copy=True) if keep else p
+                    copied[id(p)] = p.detach().to(device=device, copy=True) if keep else p
         if keep:
             state.update({name: copied[id(p)] for name, p in params})
     if not keep:
         return None
-    buffers = {name: b.detach().to(device="cpu", copy=True) for name, b in model.state_dict().items()
+    buffers = {name: b.detach().to(device=device, copy=True) for name, b in model.state_dict().items()
                if name not in state}  # (buffers are not partitioned: rotary frequencies, ...)
-    return rebuilt(model, {**state, **buffers})
+    # (built on the CPU: the buffers its constructor computes follow the parameters to `device`)
+    return rebuilt(model, {**state, **buffers}).to(device)
 
 
 def _gatherable(param: torch.nn.Parameter) -> bool:
@@ -263,8 +278,8 @@ def _gatherable(param: torch.nn.Parameter) -> bool:
     return part is not None and getattr(part, "final_location", None) is None and hasattr(part, "ds_numel")
 
 
-def _gathered_to(param: torch.nn.Parameter, writer: int) -> torch.Tensor | None:
-    """ZeRO-3-partitioned `param` whole on rank `writer` (a host tensor; None on the other ranks).
+def _gathered_to(param: torch.nn.Parameter, writer: int, to: torch.device | str = "cpu") -> torch.Tensor | None:
+    """ZeRO-3-partitioned `param` whole on rank `writer`, on device `to` (None on the other ranks).
 
     ZeRO-3 keeps rank r's part of the flattened parameter, elements [r s, (r + 1) s) with s the
     partition size (the last padded), in `param.ds_tensor`; `torch.distributed.gather` puts each
@@ -275,7 +290,7 @@ def _gathered_to(param: torch.nn.Parameter, writer: int) -> torch.Tensor | None:
         # whole on every rank: a parameter below `stage3_param_persistence_threshold` between
         # forwards. Its data is what the forward reads and DeepSpeed's own gather returns (DeepSpeed
         # 0.16's partition of it was sometimes behind), and nothing need be sent.
-        return param.detach().to(device="cpu", copy=True) if torch.distributed.get_rank() == writer else None
+        return param.detach().to(device=to, copy=True) if torch.distributed.get_rank() == writer else None
     group = param.ds_process_group
     part = param.ds_tensor
     size, world = part.ds_numel, torch.distributed.get_world_size(group)
@@ -287,7 +302,7 @@ def _gathered_to(param: torch.nn.Parameter, writer: int) -> torch.Tensor | None:
         return None
     flat = torch.empty(size * world, dtype=part.dtype, device=device)
     torch.distributed.gather(sent, list(flat.split(size)), dst=writer, group=group)
-    return flat[:param.ds_numel].view(param.ds_shape).to("cpu")
+    return flat[:param.ds_numel].view(param.ds_shape).to(to)
 
 
 def save_pretrained(engine: Any, tokenizer: Any, out_dir: Path | str, rank: int, *,

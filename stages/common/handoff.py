@@ -283,7 +283,8 @@ _FORM: list[SavedForm] = []
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
               manifest_fields: Mapping[str, Any], copy: bool = True, stable: bool = False,
               send: Callable[[Path, Manifest, dict[str, Any]], bool] | None = None,
-              copy_dtype: torch.dtype = torch.float32, write_weights: bool = True) -> tuple[Manifest, Any]:
+              copy_dtype: torch.dtype = torch.float32, write_weights: bool = True,
+              disposable: bool = False) -> tuple[Manifest, Any]:
     """Save `module` + `tokenizer` as the checkpoint `out` in the background; returns its manifest
     (decided now) and, with `copy`, a copy of the model (on its device, in `copy_dtype`: what the
     next stage computes in) for the next stage in this process (see the module doc).
@@ -302,6 +303,9 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
             written (`Manifest.not_written`): the policy between two train-state saves with
             `optimize.policy_weights: with_train_state`, which only the copy or the channel
             carries on. Where `send` fails they are written after all (a member may read them).
+        disposable: `module` is a copy made for this hand-over (ZeRO-3's, gathered module by
+            module onto the GPU the next stage samples on): the copy handed over takes its tensors
+            where their dtype is the copy's, instead of copying them once more.
     """
     from rlpipe.stages.common.tiny import save_pretrained
 
@@ -316,8 +320,6 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
             _FORM[:] = [f for f in [saved_form(module, tokenizer, max_shard_size, staging, weights, sources)] if f]
         known = {name: FileInfo.of(name, len(file), file.digest()) for name, file in weights.items()}
         manifest = checkpoint_manifest(staging, known=known, **manifest_fields)
-        if not write_weights:
-            held = checkpoint_manifest(staging, known=known, not_written=tuple(known), **manifest_fields)
     except BaseException as e:
         raise_staging_failure(e, staging, out)
     if send is not None:
@@ -325,8 +327,12 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
         sent = send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small})
         write_weights = write_weights or not sent
     if not write_weights:  # (the same files and content hash; only the record says what is on disk)
-        manifest, weights = held, {}
-    copy = model_copy(module, copy_dtype, taken=taken) if copy else None
+        manifest, weights = manifest.model_copy(update={"not_written": sorted(known)}), {}
+    if copy:
+        own = {tensor_identity(t): t for t in module.state_dict().values()} if disposable else {}
+        copy = model_copy(module, copy_dtype, taken={**taken, **own})
+    else:
+        copy = None
     pending_artifacts.register(out, manifest, wait=wait_for_background)
     # (detached where the files are written from snapshots: optimize's next step may change the module meanwhile)
     in_background(lambda: _write(staging, out, weights, manifest), str(out), detached=snapshot)

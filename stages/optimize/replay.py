@@ -166,9 +166,11 @@ def _fit(E: Any, engines: Engines | None, config: OptimizeConfig, dscfg: dict[st
 def build(E: Any, config: OptimizeConfig, dscfg: dict[str, Any], state: Path | None) -> Engines:
     """Fresh engines from `config`'s policy (and critic), continued from the train state `state`
     (DeepSpeed load_checkpoint) when given."""
+    from rlpipe.stages.common.deepspeed import number_parameters_from_zero
     from rlpipe.stages.common.models import load_model
     from rlpipe.stages.optimize.core import lr_factor
 
+    number_parameters_from_zero()  # (ZeRO-3's saved state names its parameters by number)
     # Trainable copies: never train a model from the shared in-process cache.
     policy = load_model(config.policy, cache=False)[0]
     if config.lora is not None:  # the adapters (and, continued from a state, the base) come from the state

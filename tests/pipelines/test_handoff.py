@@ -18,12 +18,13 @@ from rlpipe.stages.optimize.run import clear_warm
 pytestmark = pytest.mark.integration
 
 
-def _run(tmp_path, name: str, keep_saved: bool) -> dict[str, str]:
+def _run(tmp_path, name: str, keep_saved: bool, zero_stage: int) -> dict[str, str]:
     models.clear_cache()
     clear_warm()
     models.keep_saved_checkpoints(keep_saved)
     preset_file = tmp_path / f"{name}.yaml"
-    preset_file.write_text(yaml.safe_dump({**MINI, "iterations": 3}))
+    preset_file.write_text(yaml.safe_dump({**MINI, "iterations": 3,
+                                           "optimize": {**MINI["optimize"], "zero_stage": zero_stage}}))
     try:
         lines: list[str] = []
         Pipeline(load_preset(preset_file), tmp_path / name / "mini", log=lines.append).run()
@@ -34,7 +35,10 @@ def _run(tmp_path, name: str, keep_saved: bool) -> dict[str, str]:
     return hashes(tmp_path / name / "mini")
 
 
-def test_rollouts_after_the_in_memory_hand_over_equal_those_read_from_the_file(tmp_path, monkeypatch):
+# ZeRO 3: the policy is gathered module by module onto the engine's device and that copy itself is
+# handed over (`hand_over(..., disposable=True)`), not copied once more
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_rollouts_after_the_in_memory_hand_over_equal_those_read_from_the_file(tmp_path, monkeypatch, zero_stage):
     handed: list[str] = []
     from rlpipe.stages.common import handoff
 
@@ -43,8 +47,8 @@ def test_rollouts_after_the_in_memory_hand_over_equal_those_read_from_the_file(t
     from rlpipe.stages.optimize import run as optimize_run
 
     monkeypatch.setattr(optimize_run, "hand_over", handoff.hand_over)
-    in_memory = _run(tmp_path, "in_memory", keep_saved=True)
-    from_files = _run(tmp_path, "from_files", keep_saved=False)
+    in_memory = _run(tmp_path, "in_memory", keep_saved=True, zero_stage=zero_stage)
+    from_files = _run(tmp_path, "from_files", keep_saved=False, zero_stage=zero_stage)
     assert [p.split("/")[-2] for p in handed] == ["iter_0000", "iter_0001", "iter_0002"]  # it was used
     assert pending.pending_manifest(handed[-1]) is None
     assert in_memory == from_files

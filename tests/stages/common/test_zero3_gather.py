@@ -43,9 +43,9 @@ def counting(params, *args, **kwargs):
     return real(params, *args, **kwargs)
 
 
-def counting_to(param, writer):
+def counting_to(param, writer, to="cpu"):
     gathered.append(("to", param.ds_numel))
-    return real_to(param, writer)
+    return real_to(param, writer, to)
 
 
 out, results = Path(sys.argv[1]), {}
