@@ -145,6 +145,9 @@ def _manifest_table(path: Path, m: Manifest) -> Table:
     else:
         t.add_row("kind", "checkpoint")
     t.add_row("size", f"{sum(f.bytes for f in m.files) / 1e6:.2f} MB in {len(m.files)} file(s)")
+    if m.not_written:
+        t.add_row("not written", f"{', '.join(m.not_written)} (held in memory only: optimize.policy_weights: "
+                                 "with_train_state; listed with their hashes)")
     t.add_row("stage", m.stage)
     t.add_row("wall time", f"{m.wall_time_s:.2f} s")
     t.add_row("content hash", m.content_hash[:12])
@@ -222,7 +225,7 @@ def show_checkpoint(path: Path, console: Console) -> dict[str, Any]:
     """Print a checkpoint's manifest, model config and parameter count (no torch import)."""
     m = read_manifest(path)
     console.print(_manifest_table(path, m))
-    info: dict[str, Any] = {"params": safetensors_params(path)}
+    info: dict[str, Any] = {} if m.not_written else {"params": safetensors_params(path)}
     cfg_file = path / "config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())

@@ -165,8 +165,8 @@ def _refuse_unwritten(path: Path, manifest: Manifest | None) -> None:
     if manifest is not None and manifest.not_written:
         raise ArtifactError(
             f"{path}: its weights ({', '.join(manifest.not_written)}) were never written: with "
-            "optimize.policy_weights: with_train_state only the iterations that save the train state (the "
-            "last one, those that evaluate) write them, and this process does not hold them in memory. Load the policy of such an "
+            "optimize.policy_weights: with_train_state only the iterations that save the train state, the "
+            "last one and those that evaluate write them, and this process does not hold them in memory. Load the policy of such an "
             "iteration, or rerun the run (`rlpipe run`), which recomputes it; set optimize.policy_weights: "
             "every_iteration to write every policy")
 

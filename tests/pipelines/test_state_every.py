@@ -11,6 +11,7 @@ deterministic kernels on the same inputs from the same state (see stages/optimiz
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,17 @@ def test_policies_held_in_memory_resume_to_the_same_run(every_1, tmp_path):
     clear_cache()
     with pytest.raises(ArtifactError, match=r"iter_0001/policy: its weights \(model.safetensors\) were never written"):
         load_model(policies[1])
+    # as a user meets it: inspect says so; a rollout rerun alone from iteration 2's config stops
+    # with that message, a user's error's exit code (2), no traceback
+    from typer.testing import CliRunner
+
+    from rlpipe.pipelines.cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(policies[1])], env={"COLUMNS": "400"})
+    assert shown.exit_code == 0 and re.search(r"not written\s+model.safetensors \(held in memory only", shown.output)
+    rerun = CliRunner().invoke(app, ["stage", "rollout", "-c", str(run / "iter_0002" / "configs" / "rollout.yaml"),
+                                     f"output={tmp_path / 'rerun'}"])
+    assert rerun.exit_code == 2 and "were never written" in rerun.output and "Traceback" not in rerun.output, rerun.output
 
     class Killed(Exception):
         pass
