@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/cluster.md#gpu, on a machine with one CUDA GPU, from the repository root:
-#   bash benchmarks/gpu_figures.sh [OUT_DIR]
-# bench_loop.py at ~0.97B parameters (base_model.size=1b) in bf16 with fp32 masters, ZeRO 0 and 3,
-# with the share of each iteration the GPU was busy; then the tests marked `gpu`; then bench_memory's
-# offload case at 1b (ZeRO-3 with and without CPU offload); then bench_loop with resident workers. Logs and the
-# figures' JSON go to OUT_DIR ($OUT, else /tmp/gpu_figures).
+#   [STEPS="in_memory loop tests offload resident"] bash benchmarks/gpu_figures.sh [OUT_DIR]
+# Steps, in this order, those named in STEPS (default "in_memory loop tests": ~8 minutes on an
+# H200, inside one call of a 15-minute device session; the other two take ~4 more):
+#   in_memory  bench_loop.py at ~0.97B parameters (base_model.size=1b) in bf16 with fp32 masters,
+#              ZeRO 0 and 3, with optimize.policy_weights=with_train_state (nothing written in the
+#              measured iterations), with the share of each iteration the GPU was busy;
+#   loop       the same with every policy written (the default), the baseline on the same machine;
+#   tests      the tests marked `gpu`;
+#   offload    bench_memory's offload case at 1b (ZeRO-3 with and without CPU offload);
+#   resident   bench_loop with resident workers sharing GPU 0.
+# Logs and the figures' JSON go to OUT_DIR ($OUT, else /tmp/gpu_figures).
 #
 # A machine without rlpipe's dependencies but with CUDA torch and transformers (ours, which reaches
 # no package index) takes them from .whl/site.tar.xz: the wheels unpacked into one folder and
@@ -33,22 +39,37 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, deep
 EOF
 df -h /tmp | tail -1
 
-for zero in 0 3; do
-  step "bench_loop 1b ZeRO $zero"
-  timeout "${BENCH_TIMEOUT_S:-230}" python3 benchmarks/bench_loop.py --sizes 1b --launchers local \
-    --iterations "${ITERATIONS:-3}" --warmup 1 --threads 8 --json "$out/bench_loop_1b_zero$zero.json" \
-    "optimize.zero_stage=$zero" 2>&1 | tee "$out/bench_loop_1b_zero$zero.log"
-done
+steps=" ${STEPS:-in_memory loop tests} "
+runs() { [[ "$steps" == *" $1 "* ]]; }
+# (each bench_loop at 1b takes ~95 s on an H200, most of it building two 1B models on the CPU; the
+# first on a fresh machine ~15 s more)
+bench_1b() {  # NAME ZERO [override ...]
+  local name=$1 zero=$2; shift 2
+  step "bench_loop 1b ZeRO $zero ($name)"
+  timeout "${BENCH_TIMEOUT_S:-150}" python3 benchmarks/bench_loop.py --sizes 1b --launchers local \
+    --iterations "${ITERATIONS:-3}" --warmup 1 --threads 8 --json "$out/bench_loop_1b_${name}_zero$zero.json" \
+    "optimize.zero_stage=$zero" "$@" 2>&1 | grep -v 'it/s, elapsed' | tee "$out/bench_loop_1b_${name}_zero$zero.log"
+}
 
-step "pytest -m gpu"
-timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest_gpu.log"
-
-step "bench_memory offload 1b (ZeRO-3, optimizer state and parameters in host memory or not)"
-timeout "${OFFLOAD_TIMEOUT_S:-200}" python3 benchmarks/bench_memory.py --cases offload --offload-size 1b \
-  --json "$out/bench_memory_offload_1b.json" 2>&1 | tee "$out/bench_memory_offload_1b.log"
-
-step "bench_loop 1b ZeRO 0, resident workers sharing GPU 0"
-timeout "${RESIDENT_TIMEOUT_S:-230}" python3 benchmarks/bench_loop.py --sizes 1b --launchers resident \
-  --iterations "${ITERATIONS:-3}" --warmup 1 --threads 8 --json "$out/bench_loop_1b_resident.json" \
-  2>&1 | tee "$out/bench_loop_1b_resident.log"
+if runs in_memory; then
+  for zero in 0 3; do bench_1b in_memory "$zero" optimize.policy_weights=with_train_state; done
+fi
+if runs loop; then
+  for zero in 0 3; do bench_1b written "$zero"; done
+fi
+if runs tests; then
+  step "pytest -m gpu"
+  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest_gpu.log"
+fi
+if runs offload; then
+  step "bench_memory offload 1b (ZeRO-3, optimizer state and parameters in host memory or not)"
+  timeout "${OFFLOAD_TIMEOUT_S:-240}" python3 benchmarks/bench_memory.py --cases offload --offload-size 1b \
+    --json "$out/bench_memory_offload_1b.json" 2>&1 | tee "$out/bench_memory_offload_1b.log"
+fi
+if runs resident; then
+  step "bench_loop 1b ZeRO 0, resident workers sharing GPU 0"
+  timeout "${RESIDENT_TIMEOUT_S:-230}" python3 benchmarks/bench_loop.py --sizes 1b --launchers resident \
+    --iterations "${ITERATIONS:-3}" --warmup 1 --threads 8 --json "$out/bench_loop_1b_resident.json" \
+    2>&1 | grep -v 'it/s, elapsed' | tee "$out/bench_loop_1b_resident.log"
+fi
 step done
