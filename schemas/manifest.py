@@ -93,12 +93,13 @@ class Manifest(BaseModel):
     """Shards (table) or files (checkpoint), sorted by name."""
     content_hash: str
     """SHA-256 over the sorted (name, sha256) of all files: equal content, equal hash."""
-    not_written: list[str] = Field(default_factory=list)
+    not_written: list[str] = Field(default_factory=list, exclude_if=lambda names: not names)
     """Files listed in `files` (their hashes in the content hash) whose bytes were never written:
     the weights of a policy checkpoint between train-state saves with `optimize.policy_weights:
     with_train_state`, handed to the next stage in memory. Such a checkpoint is a record, not a
     loadable model: a process that does not hold its weights cannot load it, and a resumed run
-    recomputes them (the same bytes) by rerunning the optimize stage that wrote it."""
+    recomputes them (the same bytes) by rerunning the optimize stage that wrote it. Left out of the
+    JSON when empty: every other manifest reads as before, by earlier rlpipe versions too."""
     stage: str
     """Producing stage."""
     config: dict[str, Any] = Field(default_factory=dict)
