@@ -320,27 +320,29 @@ def check_replayed(engines: Engines, checkpoint: Path, manifest: Manifest, token
                 differ[name] = float((mine.detach().to("cpu", torch.float64) - weight.double()).abs().max())
     if differ:
         worst = max(differ, key=differ.get)
-        raise UserError(
-            f"replaying the optimize runs up to {checkpoint} gave other weights than it holds: {len(differ)} of "
-            f"{len(saved)} tensors differ (max |diff| {differ[worst]:.3g}, in {worst}). An input of a replayed run "
-            "changed, or the steps are not deterministic (another world size, ZeRO stage, dtype or device than the "
-            "run that wrote it; nondeterministic GPU kernels). Rerun on the setup that wrote it, or delete the "
-            "policy checkpoints after the last saved train_state to recompute them")
+        raise _other_weights(checkpoint, f"it holds: {len(differ)} of {len(saved)} tensors differ (max |diff| "
+                                         f"{differ[worst]:.3g}, in {worst})")
 
 
 def _check_replayed_hashes(engines: Engines, checkpoint: Path, manifest: Manifest, tokenizer: Any) -> None:
+    """The replayed policy's weight files, as `hand_over` would write them, hash to the entries the
+    manifest of `checkpoint` lists for the files it never wrote."""
     from rlpipe.stages.common.deepspeed import full_parameters
     from rlpipe.stages.common.handoff import weight_files
 
     with full_parameters(engines.policy) as module:
         replayed = weight_files(module, tokenizer, manifest.config["max_shard_size"])
     listed = {f.name: f for f in manifest.files if f.name in manifest.not_written}
-    differ = sorted(name for name in listed.keys() | replayed.keys()
-                    if name not in listed or name not in replayed or replayed[name].tagged_digest != listed[name].tagged_digest)
+    differ = sorted(name for name in listed.keys() | replayed.keys() if name not in listed or name not in replayed
+                    or replayed[name].tagged_digest != listed[name].tagged_digest)
     if differ:
-        raise UserError(
-            f"replaying the optimize runs up to {checkpoint} gave other weights than its manifest records (weights "
-            f"held in memory only, optimize.policy_weights: with_train_state): {', '.join(differ)} differ. An input "
-            "of a replayed run changed, or the steps are not deterministic (another world size, ZeRO stage, dtype or "
-            "device than the run that wrote it; nondeterministic GPU kernels). Rerun on the setup that wrote it, or "
-            "delete the policy checkpoints after the last saved train_state to recompute them")
+        raise _other_weights(checkpoint, f"its manifest records (weights held in memory only, "
+                                         f"optimize.policy_weights: with_train_state): {', '.join(differ)} differ")
+
+
+def _other_weights(checkpoint: Path, found: str) -> UserError:
+    return UserError(
+        f"replaying the optimize runs up to {checkpoint} gave other weights than {found}. An input of a replayed "
+        "run changed, or the steps are not deterministic (another world size, ZeRO stage, dtype or device than the "
+        "run that wrote it; nondeterministic GPU kernels). Rerun on the setup that wrote it, or delete the policy "
+        "checkpoints after the last saved train_state to recompute them")

@@ -124,8 +124,8 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
                         whole, tokenizer, out, max_shard_size=config.max_shard_size, copy=_hands_over(),
                         disposable=whole is not engine.module,
                         copy_dtype=compute_dtype(config.dtype),  # (the rollout's, where both follow model.dtype)
-                        # the engine's own tensors (the next run waits for the write), or the host
-                        # copy ZeRO-3 gathered module by module (nobody else holds it)
+                        # the engine's own tensors (the next run waits for the write), or the copy
+                        # ZeRO-3 gathered module by module (nobody else holds it)
                         stable=whole is not engine.module or engine.zero_optimization_stage() < 3,
                         send=CHANNEL.send if sends else None, write_weights=_writes_policy_weights(config),
                         manifest_fields=dict(

@@ -134,6 +134,24 @@ def test_replay_from_a_fresh_start_and_its_errors(tmp_path, batches, tiny_policy
     with pytest.raises(UserError, match=rf"replaying the optimize runs up to {c0.output} gave other weights"):
         run(c1, force=True)
 
+    if knobs.get("lora") is None:  # (a LoRA policy is always written: the plan refuses to hold it in memory)
+        # run 0's policy as one held in memory only (optimize.policy_weights: with_train_state): its
+        # weight file gone, its manifest listing it; the replay checks the replayed bytes' hashes
+        weights = [f.name for f in manifest.files if f.name.endswith(".safetensors")]
+        for name in weights:
+            (c0.output / name).unlink()
+        for config, error in ((manifest.config, None), ({**manifest.config, "lr": 2 * LR}, "its manifest records")):
+            unwritten = manifest.model_copy(update={"not_written": weights, "config": config})
+            atomic_write_bytes(c0.output / "_manifest.json", unwritten.model_dump_json().encode())
+            clear_warm()
+            if error is None:
+                run(c1, force=True)
+                _assert_same_models([c1], saved_every_run[1:2])
+            else:
+                with pytest.raises(UserError, match=rf"up to {c0.output} gave other weights than {error} "
+                                                    r"\(weights held in memory only.*model.safetensors differ"):
+                    run(c1, force=True)
+
     # every1 continued from every0's train_state: it cannot be replayed from a fresh start
     every1 = saved_every_run[1].output
     wrong = c1.model_copy(update={"replay": [every1], "output": tmp_path / "wrong_policy"})
