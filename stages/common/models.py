@@ -139,12 +139,11 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
     if not path.is_dir() and pending_manifest(path) is None:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     manifest = verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
+    key = _cache_key(path, kind, dtype) if cache else None
+    if key not in MODELS.cache:  # (read from its files)
+        _refuse_unwritten(path, manifest)
     if not cache:
-        _refuse_unwritten(path, manifest)
         return load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
-    key = _cache_key(path, kind, dtype)
-    if key not in MODELS.cache:
-        _refuse_unwritten(path, manifest)
     if slot is not None:
         if key in MODELS.cache:  # (the local runner: the checkpoint optimize just saved, from memory)
             MODELS.last_load[slot] = "cache"
@@ -166,9 +165,9 @@ def _refuse_unwritten(path: Path, manifest: Manifest | None) -> None:
         raise ArtifactError(
             f"{path}: its weights ({', '.join(manifest.not_written)}) were never written: with "
             "optimize.policy_weights: with_train_state only the iterations that save the train state, the "
-            "last one and those that evaluate write them, and this process does not hold them in memory. Load the policy of such an "
-            "iteration, or rerun the run (`rlpipe run`), which recomputes it; set optimize.policy_weights: "
-            "every_iteration to write every policy")
+            "last one and those that evaluate write them, and this process does not hold them in memory. "
+            "Load the policy of such an iteration, or rerun the run (`rlpipe run`), which recomputes it; set "
+            "optimize.policy_weights: every_iteration to write every policy")
 
 
 def load_into_slot(slot: str, path: Path, kind: str, key: str, dtype: Any) -> Slot:
