@@ -13,6 +13,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
@@ -57,9 +59,10 @@ class WeightChannel:
         """Whether the current order's new policy goes over the channel (on every rank)."""
         return self.sending_to is not None
 
-    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]]) -> bool:
+    def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
+             on_gpu: Mapping[str, tuple[bytes, Sequence[torch.Tensor]]] | None = None) -> bool:
         assert self.sender is not None and self.sending_to is not None
-        return self.sender.send(policy, manifest, files, self.sending_to[1])
+        return self.sender.send(policy, manifest, files, self.sending_to[1], on_gpu)
 
     def take(self, checkpoints: list[Path], *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """Before an order: each of `checkpoints` (the order's checkpoint inputs) that was sent

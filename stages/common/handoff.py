@@ -104,6 +104,9 @@ class WeightFile:
 
     header: bytes
     tensors: list[torch.Tensor]
+    origins: list[torch.Tensor] | None = None
+    """The module's tensors the `tensors` were copied from (on a GPU: what the weight channel hands
+    over there, device_weights.py); None when they are the tensors themselves."""
 
     def pieces(self) -> Iterator[memoryview]:
         yield memoryview(self.header)
@@ -178,7 +181,8 @@ def weights_in_memory(snapshot: bool = True) -> Iterator[tuple[dict[str, WeightF
                 _LAYOUTS.pop(next(iter(_LAYOUTS)))
             _LAYOUTS[key] = layout
         header, order = _LAYOUTS[key]
-        captured[os.path.basename(filename)] = WeightFile(header, [held[name] for name in order])
+        captured[os.path.basename(filename)] = WeightFile(header, [held[name] for name in order],
+                                                          [tensors[name] for name in order])
         sources[os.path.basename(filename)] = [tensor_identity(tensors[name]) for name in order]
 
     original = modeling_utils.safe_save_file
@@ -247,7 +251,7 @@ class SavedForm:
         state, taken = module.state_dict(), {}
         held = _arrived({name: _held(state[name], snapshot, taken) for _, names in self.weights.values()
                          for name in names})
-        weights = {file: WeightFile(header, [held[name] for name in names])
+        weights = {file: WeightFile(header, [held[name] for name in names], [state[name] for name in names])
                    for file, (header, names) in self.weights.items()}
         return weights, taken
 
@@ -282,7 +286,7 @@ _FORM: list[SavedForm] = []
 
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
               manifest_fields: Mapping[str, Any], copy: bool = True, stable: bool = False,
-              send: Callable[[Path, Manifest, dict[str, Any]], bool] | None = None,
+              send: Callable[[Path, Manifest, dict[str, Any], dict[str, Any]], bool] | None = None,
               copy_dtype: torch.dtype = torch.float32, write_weights: bool = True,
               disposable: bool = False) -> tuple[Manifest, Any]:
     """Save `module` + `tokenizer` as the checkpoint `out` in the background; returns its manifest
@@ -296,9 +300,10 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
             parameters do not: they go when the gather ends). Without a copy for the next stage,
             the files are then written (and sent) from them: no snapshot of the whole model.
         send: given every file's bytes (a weight file's as its pieces: `WeightFile.pieces`) and
-            the manifest before the write starts: the weight channel to the resident rollout
-            members (weight_channel.py), which reads nothing of the disk. Its failure is its own
-            to report: the file is written either way.
+            the manifest before the write starts, and the weight files whose tensors are on a GPU
+            (name -> header, those tensors): the weight channel to the resident rollout members
+            (weight_channel.py), which reads nothing of the disk. Its failure is its own to report:
+            the file is written either way.
         write_weights: False: the weight files are hashed (the manifest is the same) but never
             written (`Manifest.not_written`): the policy between two train-state saves with
             `optimize.policy_weights: with_train_state`, which only the copy or the channel
@@ -324,8 +329,12 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
         raise_staging_failure(e, staging, out)
     if send is not None:
         small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
-        sent = send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small})
+        on_gpu = {name: (file.header, file.origins) for name, file in weights.items()
+                  if file.origins and all(t.device.type == "cuda" for t in file.origins)}
+        sent = send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small}, on_gpu)
         write_weights = write_weights or not sent
+    for file in weights.values():
+        file.origins = None  # (the background write needs only the host copies)
     if not write_weights:  # (the same files and content hash; only the record says what is on disk)
         manifest, weights = manifest.model_copy(update={"not_written": sorted(known)}), {}
     if copy:

@@ -105,7 +105,7 @@ def as_folder(files: Mapping[str, torch.Tensor], tag: str) -> Path:
     try:
         for name, data in files.items():
             with open(folder / name, "wb") as f:
-                f.write(memoryview(data.numpy()))
+                f.write(memoryview(data.cpu().numpy()))  # (a weight file handed over on the GPU: its bytes come down)
     except BaseException:
         remove(folder)
         raise

@@ -9,7 +9,8 @@ rollout member, while it writes the same bytes to disk in the background as the 
     optimize rank 0 --(header: policy path, manifest; then each file in buckets)--> rollout members
 
 - The channel is a process group made for it, apart from the optimize job's own (gloo, over TCP,
-  from host memory; NCCL between GPU members is not built yet). Optimize's rank 0 hosts its
+  from host memory; NCCL between GPU members is not built yet; members on the sender's own GPU
+  take the weight files there instead: device_weights.py). Optimize's rank 0 hosts its
   rendezvous (a TCPStore on a free port) and writes the address to `<workers>/weight-channel.json`;
   each rollout member joins from a receiving thread. A channel that breaks (a member killed, a timeout) is abandoned; the sender
   opens a new generation (a new address) at its next send and the members that are alive join it.
@@ -49,7 +50,7 @@ import torch
 
 from rlpipe.schemas.atomic import atomic_write_json
 from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
-from rlpipe.stages.common import shared_weights
+from rlpipe.stages.common import device_weights, shared_weights
 from rlpipe.stages.common.weight_delivery import Delivery, check_delivery
 
 _log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class Sender:
         self.shared_memory = shared_memory  # (offered to the members of this machine: shared_weights.py)
         self.local = False  # whether every member of this generation shares this process's memory
         self.shared_files: list[Path] = []  # hand-offs written to shared memory, not yet let go
+        self.member_gpus: list[list[str]] = []  # the GPUs each member of this generation sees
+        self.device_buffers: list[torch.Tensor] = []  # weight files handed over on the GPU, not yet let go
         self.timeout_s, self.host, self.bucket_bytes = timeout_s, host, bucket_bytes
         self.group: Any = None
         self.store: Any = None
@@ -183,15 +186,19 @@ class Sender:
             # (each member said whether it read the probe before joining the group)
             self.local = probe is not None and all(
                 self.store.get(f"weights/{self.generation}/local/{m}") == b"1" for m in range(self.receivers))
+            self.member_gpus = [json.loads(self.store.get(f"weights/{self.generation}/gpus/{m}"))
+                                for m in range(self.receivers)] if self.local else []
         finally:
             shared_weights.remove(probe and probe[0])
 
     def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
-             receiving_group: str) -> bool:
+             receiving_group: str, on_gpu: Mapping[str, tuple[bytes, Sequence[torch.Tensor]]] | None = None) -> bool:
         """Broadcast checkpoint `policy` (its manifest and every file's bytes: one buffer, or its
         pieces in order, e.g. a safetensors header and then each tensor's bytes, sent as they lie
         without joining them) to every member of `receiving_group`; False (and one log line) when
-        the channel fails: the members then read the file."""
+        the channel fails: the members then read the file. `on_gpu`: the weight files whose
+        tensors are on a GPU (name -> header, tensors), handed over there when every member shares
+        it (device_weights.py) instead of with the other files."""
         started = time.perf_counter()
         pieces = {name: [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
                   for name, data in files.items()}
@@ -203,11 +210,17 @@ class Sender:
             # The previous hand-off's file is mapped by now (a member maps it as the header comes,
             # an iteration ago) or never will be (its member is gone): it goes.
             self._let_go()
+            offered = device_weights.offer(on_gpu or {}, self.member_gpus) if self.local else None
+            device = {} if offered is None else offered[1]
+            if offered is not None:
+                self.device_buffers = offered[0]
+                pieces = {name: parts for name, parts in pieces.items() if name not in device}
             if self.local:  # (None when it cannot be written: then broadcast)
                 shared = shared_weights.write(f"{self.generation}-{self.sent}", pieces)
             header = json.dumps({"policy": str(Path(policy).absolute()), "manifest": manifest.model_dump_json(),
                                  "files": [[name, [len(p) for p in parts]] for name, parts in pieces.items()],
                                  "bucket": self.bucket_bytes, "shared": None if shared is None else str(shared),
+                                 "device": device,
                                  "mapped": f"weights/{self.generation}/mapped/{self.sent}",
                                  "receivers": self.receivers})
             # the header through the rendezvous store: a member waits for it there between hand-offs
@@ -223,9 +236,10 @@ class Sender:
                          f"{(str(e).splitlines() or [''])[0][:200]}); the rollout members read its file")
             self.close()
             return False
-        size = sum(len(p) for parts in pieces.values() for p in parts)
+        size = sum(len(p) for parts in pieces.values() for p in parts) + sum(h["size"] for h in device.values())
+        how = ", ".join([*(["on the GPU"] if device else []), *(["shared memory"] if shared else [])])
         _log.info(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
-                  f"member(s) in {time.perf_counter() - started:.2f} s{' (shared memory)' if shared else ''}")
+                  f"member(s) in {time.perf_counter() - started:.2f} s{f' ({how})' if how else ''}")
         return True
 
     def _broadcast_files(self, pieces: Mapping[str, list[Buffer]]) -> None:
@@ -254,6 +268,9 @@ class Sender:
     def _let_go(self) -> None:
         while self.shared_files:
             shared_weights.remove(self.shared_files.pop())
+        if self.device_buffers:  # (freed once no member maps them: PyTorch's IPC reference counts)
+            self.device_buffers = []
+            device_weights.release()
 
     def close(self) -> None:
         self._let_go()
@@ -297,8 +314,9 @@ class Receiver:
             try:
                 store = torch.distributed.TCPStore(address.host, address.port, address.receivers + 1,
                                                    is_master=False, timeout=timedelta(seconds=self.timeout_s))
-                store.set(f"weights/{joined}/local/{self.member}",
-                          "1" if shared_weights.sees(address.probe, address.nonce) else "0")
+                local = shared_weights.sees(address.probe, address.nonce)
+                store.set(f"weights/{joined}/local/{self.member}", "1" if local else "0")
+                store.set(f"weights/{joined}/gpus/{self.member}", json.dumps(device_weights.visible() if local else []))
                 group = _new_group(address.backend, torch.distributed.PrefixStore(f"weights/{joined}", store),
                                    self.member + 1, address.receivers + 1, self.timeout_s)
             except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
@@ -327,8 +345,8 @@ class Receiver:
         manifest = Manifest.model_validate_json(header["manifest"])
         try:
             files = receive_files(group, header)
-        except (OSError, ValueError) as e:  # (a shared file gone or cut: this generation goes on)
-            files, problem = {}, f"unreadable from shared memory ({type(e).__name__}: {e})"
+        except (OSError, ValueError) as e:  # (a shared file gone or cut, a GPU buffer not opened: this generation goes on)
+            files, problem = {}, f"unreadable ({type(e).__name__}: {e})"
         else:
             problem = check_delivery(manifest, files)
         if header.get("shared") and store.add(header["mapped"], 1) == header["receivers"]:
@@ -360,7 +378,14 @@ class Receiver:
 
 def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A member's half of one hand-off: each file the header lists, mapped from the shared-memory
-    file it names, or into a buffer of its size in the sender's broadcasts (`broadcast_plan`)."""
+    file it names, or into a buffer of its size in the sender's broadcasts (`broadcast_plan`), and
+    each weight file handed over on the GPU (`device`), opened there (device_weights.py)."""
+    files = _received_bytes(group, header)
+    files.update({name: device_weights.open_handle(handle) for name, handle in header.get("device", {}).items()})
+    return files
+
+
+def _received_bytes(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
     if header.get("shared"):
         return shared_weights.read(header["shared"], header["files"])
     files = {}

@@ -18,7 +18,8 @@ from rlpipe.schemas.manifest import Manifest
 
 @dataclass
 class Delivery:
-    """A checkpoint received in full: its manifest and each file's bytes (a uint8 tensor)."""
+    """A checkpoint received in full: its manifest and each file's bytes (a uint8 tensor; on a GPU
+    for a weight file handed over there: device_weights.py)."""
 
     policy: Path
     manifest: Manifest
@@ -44,13 +45,12 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in memory as a uint8 tensor, as views of it.
+    """The tensors of a safetensors file held in memory as a uint8 tensor (on its device), as views of it.
 
     The format: an 8-byte little-endian header length n, n bytes of JSON header
     (name -> dtype, shape, [begin, end) in the data that follows), then the data."""
-    raw = data.numpy()
-    n = int.from_bytes(raw[:8].tobytes(), "little")
-    header = json.loads(raw[8:8 + n].tobytes())
+    n = int.from_bytes(data[:8].cpu().numpy().tobytes(), "little")
+    header = json.loads(data[8:8 + n].cpu().numpy().tobytes())
     base = 8 + n
     out = {}
     for name, info in header.items():
@@ -71,6 +71,8 @@ def check_delivery(manifest: Manifest, files: Mapping[str, torch.Tensor]) -> str
             return f"with a file its manifest does not list ({name})"
         if info.bytes != data.numel():
             return f"with {name} of {data.numel()} bytes, not {info.bytes}"
+        if data.device.type == "cuda":
+            continue  # (the sender's own copy of the tensors it hashed, never sent through host memory: device_weights.py)
         if digest_bytes(memoryview(data.numpy()), info.algorithm) != info.digest:
             return f"with {name} not matching its hash"
     missing = set(infos) - set(files)
