@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/cluster.md#gpu, on a machine with one CUDA GPU, from the repository root:
 #   [STEPS="in_memory loop tests offload resident"] bash benchmarks/gpu_figures.sh [OUT_DIR]
-# Steps, in this order, those named in STEPS (default "in_memory loop tests": ~8 minutes on an
-# H200, inside one call of a 15-minute device session; the other two take ~4 more):
+# Steps, in this order, those named in STEPS (default "in_memory tests resident": ~9 minutes on an
+# H200, inside one call of a 15-minute device session; loop and offload take ~3-4 more each):
 #   in_memory  bench_loop.py at ~0.97B parameters (base_model.size=1b) in bf16 with fp32 masters,
 #              ZeRO 0 and 3, with optimize.policy_weights=with_train_state (nothing written in the
 #              measured iterations), with the share of each iteration the GPU was busy;
 #   loop       the same with every policy written (the default), the baseline on the same machine;
 #   tests      the tests marked `gpu`;
 #   offload    bench_memory's offload case at 1b (ZeRO-3 with and without CPU offload);
-#   resident   bench_loop with resident workers sharing GPU 0.
+#   resident   bench_loop with resident workers sharing GPU 0 (the policy handed over on the GPU:
+#              stages/common/device_weights.py).
 # Logs and the figures' JSON go to OUT_DIR ($OUT, else /tmp/gpu_figures).
 #
 # A machine without rlpipe's dependencies but with CUDA torch and transformers (ours, which reaches
@@ -39,7 +40,7 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, deep
 EOF
 df -h /tmp | tail -1
 
-steps=" ${STEPS:-in_memory loop tests} "
+steps=" ${STEPS:-in_memory tests resident} "
 runs() { [[ "$steps" == *" $1 "* ]]; }
 # (each bench_loop at 1b takes ~95 s on an H200, most of it building two 1B models on the CPU; the
 # first on a fresh machine ~15 s more)

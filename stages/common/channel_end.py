@@ -19,6 +19,7 @@ from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
 from rlpipe.schemas.reading import read_manifest
+from rlpipe.stages.common import device_weights
 from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Receiver, Sender
 from rlpipe.stages.common.weight_delivery import Delivery
 
@@ -54,6 +55,10 @@ class WeightChannel:
             if self.sender is not None:
                 self.sender.close()
             self.sender = Sender(folder, receivers[0])
+        if self.sender is not None and self.sender.device_buffers:
+            # (a previous policy handed over on the GPU that the members have let go of since, as
+            # they took a newer one, is freed before this order trains: device_weights.py)
+            device_weights.release()
 
     def sends(self) -> bool:
         """Whether the current order's new policy goes over the channel (on every rank)."""

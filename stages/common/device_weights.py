@@ -19,9 +19,10 @@ the handle and copies the weights into its model: the bytes never leave the GPU.
   own copy of the very tensors whose host snapshot it hashed and writes, taken on the same stream
   before either could change, and never written again.
 - Lifetime: the sender keeps its buffers until its next send; PyTorch's IPC reference counting
-  keeps the memory alive while a member still holds its mapping (the producer frees it at
-  `torch.cuda.ipc_collect`). A member keeps only its newest delivery, so at most two packed copies
-  of the model exist on the GPU, briefly.
+  keeps the memory alive while a member still maps it (the producer frees it at
+  `torch.cuda.ipc_collect`, `release`). A member keeps only its newest delivery and lets the one
+  before go when the next arrives; the sender collects at its next order's start. So one packed
+  copy of the model stays on the GPU while optimize trains (two from a send until then).
 - Where it cannot be used (no GPU, a member on another GPU or machine, not enough GPU memory for
   the packed copy) the bytes go through shared memory or the broadcast as before.
 """
