@@ -37,10 +37,14 @@ import torch
 
 
 def visible() -> list[str]:
-    """The UUIDs of the GPUs this process sees, in its own numbering (none without CUDA)."""
-    if not torch.cuda.is_available():
+    """The UUIDs of the GPUs this process sees, in its own numbering (none without CUDA, or where
+    CUDA fails to start: the weights then come through host memory)."""
+    try:
+        if not torch.cuda.is_available():
+            return []
+        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    except RuntimeError:
         return []
-    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
 
 
 def uuid_of(device: torch.device) -> str:

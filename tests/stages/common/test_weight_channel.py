@@ -5,6 +5,7 @@ new one for the group the driver starts in its place."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import multiprocessing as mp
 import os
@@ -17,7 +18,7 @@ from safetensors.torch import save
 
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import FileInfo, Manifest, content_hash
-from rlpipe.stages.common import shared_weights, weight_channel
+from rlpipe.stages.common import device_weights, handoff, shared_weights, weight_channel
 from rlpipe.stages.common.weight_channel import PACK_BYTES, Address, Sender, broadcast_plan
 from rlpipe.stages.common.weight_delivery import Delivery, check_delivery, safetensors_views
 
@@ -41,9 +42,12 @@ def raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 
 
 def _member(folder: str, group: str, member: int, policies: list[str], results,
-            die_after_buckets: int | None = None, die_mapping: bool = False) -> None:
+            die_after_buckets: int | None = None, die_mapping: bool = False, gpu_double: bool = False) -> None:
     """A rollout member's receiving end in its own process: puts (member, policy, tensors) for each
     policy it is asked for (None when it got none)."""
+    if gpu_double:  # (`_gpu_double`'s receiving half)
+        device_weights.open_handle = lambda handle: torch.frombuffer(bytearray(base64.b64decode(handle["bytes"])),
+                                                                     dtype=torch.uint8)
     if die_mapping:  # a member killed as it maps the shared-memory file
         shared_weights.read = lambda *a: os._exit(9)
     if die_after_buckets is not None:  # a member killed mid-receive: gone after n buckets
@@ -120,6 +124,43 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, ca
     # the members of this machine took the shared-memory path when offered it, and no file is left
     assert sender.local == shared_memory and not _shared_files()
     assert caplog.text.count("(shared memory)") == (2 if shared_memory else 0)  # (the sender's log lines)
+    sender.close()
+    for p in members:
+        p.join(TIMEOUT_S)
+
+
+def _gpu_double(files, members):
+    """A stand-in for `device_weights.offer` where CUDA IPC cannot run (no GPU here): the "handle"
+    carries the file's bytes themselves. What it checks is the channel around it: weight files
+    handed over apart from the others, merged back and checked on the member."""
+    assert members == [[], []]  # (what each member of this machine said it sees: no GPU)
+    return [], {name: {"bytes": base64.b64encode(handoff.WeightFile(header, list(tensors)).to_bytes()).decode(),
+                       "size": len(handoff.WeightFile(header, list(tensors)))} for name, (header, tensors) in files.items()}
+
+
+@pytest.mark.slow
+def test_weight_files_handed_over_apart_reach_the_members_whole(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="rlpipe")
+    monkeypatch.setattr(device_weights, "offer", _gpu_double)
+    through_shared_memory = []
+    write = shared_weights.write
+    monkeypatch.setattr(shared_weights, "write", lambda tag, pieces: through_shared_memory.append(sorted(pieces))
+                        or write(tag, pieces))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    members = [_start(ctx, tmp_path, "rollout-a", m, ["policy_1"], results, gpu_double=True) for m in range(2)]
+    sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1")
+    tensors, files, manifest = checkpoint(1)
+    header, order = handoff._layout(files["model.safetensors"], tensors)
+    assert sender.send(tmp_path / "policy_1", manifest, files, "rollout-a",
+                       {"model.safetensors": (header, [tensors[name] for name in order])})
+    for _ in range(2):
+        _, policy, (got, small, hash_got) = results.get(timeout=TIMEOUT_S)
+        assert hash_got == manifest.content_hash and small == {"config.json": b'{"model_type": "llama"}'}
+        assert got == {name: raw(t) for name, t in tensors.items()}
+    assert through_shared_memory == [["config.json"]]  # (the shared-memory file held only the other files)
+    assert f"sent policy_1 ({(len(files['model.safetensors']) + len(files['config.json'])) / 1e6:.1f} MB)" in caplog.text
+    assert "(on the GPU, shared memory)" in caplog.text
     sender.close()
     for p in members:
         p.join(TIMEOUT_S)
