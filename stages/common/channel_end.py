@@ -20,8 +20,9 @@ from rlpipe.schemas.manifest import Manifest
 from rlpipe.schemas.pending import register_elsewhere, wait_for_manifest
 from rlpipe.schemas.reading import read_manifest
 from rlpipe.stages.common import device_weights
-from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Receiver, Sender
+from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Sender
 from rlpipe.stages.common.weight_delivery import Delivery
+from rlpipe.stages.common.weight_receiver import Receiver
 
 _log = logging.getLogger(__name__)
 

@@ -12,8 +12,10 @@ the handle and copies the weights into its model: the bytes never leave the GPU.
 
 - Which GPU: the handle names the sender's device by its index in the sender's numbering; a member
   whose process sees the GPUs in another order (another CUDA_VISIBLE_DEVICES) opens it on its own
-  index of the same physical GPU, found by UUID. Each member says at the join which GPUs it sees
-  (`visible`); the sender uses this path only when every member sees its GPU.
+  index of the same physical GPU, found by UUID. Each member says at the join, and again after
+  each receive, which GPUs it uses (`visible`, once it has started CUDA itself: a vLLM member's
+  own process keeps off the GPU, its engine's processes hold it); the sender uses this path only
+  when every member uses its GPU.
 - What is checked: each file's size against the manifest. Its hash is not recomputed on the member
   (that would be the round trip through host memory this path avoids): the buffer is the sender's
   own copy of the very tensors whose host snapshot it hashed and writes, taken on the same stream

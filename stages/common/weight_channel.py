@@ -28,8 +28,9 @@ rollout member, while it writes the same bytes to disk in the background as the 
   optimize, which makes the same bytes, so every later artifact is a cache hit or recomputed
   identically.
 
-This module is the channel itself; a process's end of it (what a resident worker holds, what its
-current order takes) is `channel_end.CHANNEL`.
+This module is the channel itself and its sending end; the receiving end is weight_receiver.py; a
+process's end of it (what a resident worker holds, what its current order takes) is
+`channel_end.CHANNEL`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -49,9 +49,8 @@ from typing import Any
 import torch
 
 from rlpipe.schemas.atomic import atomic_write_json
-from rlpipe.schemas.manifest import MANIFEST_NAME, Manifest
+from rlpipe.schemas.manifest import Manifest
 from rlpipe.stages.common import device_weights, shared_weights
-from rlpipe.stages.common.weight_delivery import Delivery, check_delivery
 
 _log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class Address:
             return None
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     group.broadcast([tensor], opts).wait()
@@ -130,7 +129,7 @@ def broadcast_plan(sizes: Sequence[int], bucket: int) -> list[list[tuple[int, in
     return plan
 
 
-def _new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
+def new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
     # gloo only, for now: the buckets are host memory (the bytes written to disk as well). NCCL
     # between GPU members, the buckets going device to device, is the next step.
     if backend != "gloo":
@@ -156,7 +155,6 @@ class Sender:
         self.shared_memory = shared_memory  # (offered to the members of this machine: shared_weights.py)
         self.local = False  # whether every member of this generation shares this process's memory
         self.shared_files: list[Path] = []  # hand-offs written to shared memory, not yet let go
-        self.member_gpus: list[list[str]] = []  # the GPUs each member of this generation sees
         self.device_buffers: list[torch.Tensor] = []  # weight files handed over on the GPU, not yet let go
         self.timeout_s, self.host, self.bucket_bytes = timeout_s, host, bucket_bytes
         self.group: Any = None
@@ -182,12 +180,10 @@ class Sender:
                 *(probe or (None, None))).write(self.folder)
         prefixed = torch.distributed.PrefixStore(f"weights/{self.generation}", self.store)
         try:
-            self.group = _new_group(self.backend, prefixed, 0, self.receivers + 1, self.timeout_s)
+            self.group = new_group(self.backend, prefixed, 0, self.receivers + 1, self.timeout_s)
             # (each member said whether it read the probe before joining the group)
             self.local = probe is not None and all(
                 self.store.get(f"weights/{self.generation}/local/{m}") == b"1" for m in range(self.receivers))
-            self.member_gpus = [json.loads(self.store.get(f"weights/{self.generation}/gpus/{m}"))
-                                for m in range(self.receivers)] if self.local else []
         finally:
             shared_weights.remove(probe and probe[0])
 
@@ -210,7 +206,7 @@ class Sender:
             # The previous hand-off's file is mapped by now (a member maps it as the header comes,
             # an iteration ago) or never will be (its member is gone): it goes.
             self._let_go()
-            offered = device_weights.offer(on_gpu or {}, self.member_gpus) if self.local else None
+            offered = device_weights.offer(on_gpu or {}, self._member_gpus()) if self.local and on_gpu else None
             device = {} if offered is None else offered[1]
             if offered is not None:
                 self.device_buffers = offered[0]
@@ -248,7 +244,7 @@ class Sender:
             for parts in pieces.values():
                 views = [torch.frombuffer(p, dtype=torch.uint8) if len(p) else None for p in parts]
                 for spans in broadcast_plan([len(p) for p in parts], self.bucket_bytes):
-                    _broadcast(self.group, self._packed(views, spans))
+                    broadcast(self.group, self._packed(views, spans))
 
     def _packed(self, views: list[torch.Tensor | None], spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """One broadcast's bytes: a span of one piece as it lies, or small pieces copied into a
@@ -264,6 +260,10 @@ class Sender:
             self._packing[offset:offset + end - begin] = views[i][begin:end]
             offset += end - begin
         return self._packing[:size]
+
+    def _member_gpus(self) -> list[list[str]]:
+        """The GPUs each member of this generation uses (said at the join, again after each receive)."""
+        return [json.loads(self.store.get(f"weights/{self.generation}/gpus/{m}")) for m in range(self.receivers)]
 
     def _let_go(self) -> None:
         while self.shared_files:
@@ -281,134 +281,3 @@ class Sender:
                 pass
         self.group = self.store = None
         self.local = False
-
-
-class Receiver:
-    """A rollout member's end: a thread joining each generation and keeping what it receives."""
-
-    def __init__(self, folder: Path, group: str, member: int, *, timeout_s: float = CONNECT_TIMEOUT_S):
-        self.folder, self.group, self.member, self.timeout_s = Path(folder), group, member, timeout_s
-        self._lock = threading.Condition()
-        self._deliveries: dict[Path, Delivery] = {}
-        self._receiving: Path | None = None
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="rlpipe-weight-channel", daemon=True)
-
-    def start(self) -> Receiver:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stop = True
-            self._lock.notify_all()
-
-    def _run(self) -> None:
-        joined = 0
-        while not self._stop:
-            address = Address.read(self.folder)
-            if address is None or address.generation <= joined or address.group != self.group:
-                time.sleep(0.05)
-                continue
-            joined = address.generation
-            try:
-                store = torch.distributed.TCPStore(address.host, address.port, address.receivers + 1,
-                                                   is_master=False, timeout=timedelta(seconds=self.timeout_s))
-                local = shared_weights.sees(address.probe, address.nonce)
-                store.set(f"weights/{joined}/local/{self.member}", "1" if local else "0")
-                store.set(f"weights/{joined}/gpus/{self.member}", json.dumps(device_weights.visible() if local else []))
-                group = _new_group(address.backend, torch.distributed.PrefixStore(f"weights/{joined}", store),
-                                   self.member + 1, address.receivers + 1, self.timeout_s)
-            except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
-                _log.warning(f"[rlpipe weight channel] member {self.member} could not join generation {joined} "
-                             f"({type(e).__name__}); it reads the policy files until the next")
-                continue
-            try:
-                received = 0
-                while not self._stop:
-                    header = _poll(store, f"weights/{joined}/header/{received + 1}", lambda: self._stop)
-                    if header is None:
-                        break
-                    received += 1
-                    self._receive(group, json.loads(header), store)
-            except Exception as e:  # noqa: BLE001 (the sender gone, a timeout between sends: wait for a new generation)
-                with self._lock:
-                    self._receiving = None
-                    self._lock.notify_all()
-                _log.info(f"[rlpipe weight channel] member {self.member}: generation {joined} ended "
-                          f"({type(e).__name__}); waiting for the next")
-
-    def _receive(self, group: Any, header: dict[str, Any], store: Any) -> None:
-        policy = Path(header["policy"])
-        with self._lock:
-            self._receiving = policy
-        manifest = Manifest.model_validate_json(header["manifest"])
-        try:
-            files = receive_files(group, header)
-        except (OSError, ValueError) as e:  # (a shared file gone or cut, a GPU buffer not opened: this generation goes on)
-            files, problem = {}, f"unreadable ({type(e).__name__}: {e})"
-        else:
-            problem = check_delivery(manifest, files)
-        if header.get("shared") and store.add(header["mapped"], 1) == header["receivers"]:
-            shared_weights.remove(header["shared"])  # (every member has it mapped: the mappings outlive it)
-        with self._lock:
-            self._receiving = None
-            if problem is None:
-                # only the newest policy is kept: a rollout samples from the latest it was sent
-                self._deliveries = {policy: Delivery(policy, manifest, files)}
-            else:
-                _log.warning(f"[rlpipe weight channel] member {self.member}: {policy} arrived {problem}; "
-                             "the file is read instead")
-            self._lock.notify_all()
-
-    def take(self, policy: Path | str, timeout_s: float) -> Delivery | None:
-        """The delivery of checkpoint `policy`: at once when received, after waiting while it is
-        being received, else (none in flight for it, or `timeout_s` passed) None."""
-        policy = Path(policy).absolute()
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while policy not in self._deliveries and time.monotonic() < deadline:
-                if self._receiving is not None and self._receiving != policy:
-                    break
-                if self._receiving is None and (policy / MANIFEST_NAME).is_file():
-                    break  # (its file is complete and nothing is on its way: read the file)
-                self._lock.wait(0.05)
-            return self._deliveries.get(policy)
-
-
-def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A member's half of one hand-off: each file the header lists, mapped from the shared-memory
-    file it names, or into a buffer of its size in the sender's broadcasts (`broadcast_plan`), and
-    each weight file handed over on the GPU (`device`), opened there (device_weights.py)."""
-    files = _received_bytes(group, header)
-    files.update({name: device_weights.open_handle(handle) for name, handle in header.get("device", {}).items()})
-    return files
-
-
-def _received_bytes(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if header.get("shared"):
-        return shared_weights.read(header["shared"], header["files"])
-    files = {}
-    for name, pieces in header["files"]:
-        files[name] = data = torch.empty(sum(pieces), dtype=torch.uint8)
-        offset = 0
-        for spans in broadcast_plan(pieces, header["bucket"]):
-            size = sum(end - begin for _, begin, end in spans)
-            _broadcast(group, data[offset:offset + size])
-            offset += size
-    return files
-
-
-def _poll(store: Any, key: str, stopped: Any) -> str | None:
-    """The value of `key` once the sender sets it (None if the receiver stops first); raises when
-    the store is gone (the sender's process ended: a new generation will come). A blocking wait on
-    the store, so the member joins the broadcast as soon as the header is set."""
-    while not stopped():
-        try:
-            store.wait([key], timedelta(seconds=1))
-        except torch.distributed.DistStoreError as e:
-            if "timeout" not in str(e).lower():
-                raise
-            continue
-        return store.get(key).decode()
-    return None

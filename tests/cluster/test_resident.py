@@ -349,7 +349,7 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
 
     # 2. a rollout member killed mid-receive (its first hand-off of this segment: policy 1, sent again)
     pause = tmp_path / "paused-2"
-    d = Driver(root, preset, env=_paused("rlpipe.stages.common.weight_channel:receive_files@1", pause))
+    d = Driver(root, preset, env=_paused("rlpipe.stages.common.weight_receiver:receive_files@1", pause))
     member = _held(pause, d)
     os.kill(member, signal.SIGKILL)
     assert d.wait(600) == 0, d.output
@@ -400,7 +400,7 @@ def test_a_policy_held_in_memory_only_is_recomputed_for_a_new_rollout_group(tmp_
     preset, reference, root, run_dir = _with_reference(tmp_path, CHANNEL)
     pause = tmp_path / "paused"
     d = Driver(root, preset, "optimize.state_every=3", "optimize.policy_weights=with_train_state",
-               env=_paused("rlpipe.stages.common.weight_channel:receive_files@1", pause))
+               env=_paused("rlpipe.stages.common.weight_receiver:receive_files@1", pause))
     member = _held(pause, d)
     wait_for((run_dir / "iter_0000" / "policy" / "_manifest.json").is_file, 60, driver=d)
     assert read_manifest_json(run_dir / "iter_0000" / "policy")["not_written"] == ["model.safetensors"]

@@ -1,4 +1,4 @@
-"""The weight channel (stages/common/weight_channel.py) between real processes over gloo: what a
+"""The weight channel (stages/common/weight_channel.py, weight_receiver.py) between real processes over gloo: what a
 member receives is the checkpoint bit for bit, a corrupted file is refused, and a member killed
 mid-receive breaks only that generation: the sender says so in one line and the next send opens a
 new one for the group the driver starts in its place."""
@@ -18,7 +18,13 @@ from safetensors.torch import save
 
 from rlpipe.schemas.hashing import digest_bytes
 from rlpipe.schemas.manifest import FileInfo, Manifest, content_hash
-from rlpipe.stages.common import device_weights, handoff, shared_weights, weight_channel
+from rlpipe.stages.common import (
+    device_weights,
+    handoff,
+    shared_weights,
+    weight_channel,
+    weight_receiver,
+)
 from rlpipe.stages.common.weight_channel import PACK_BYTES, Address, Sender, broadcast_plan
 from rlpipe.stages.common.weight_delivery import Delivery, check_delivery, safetensors_views
 
@@ -52,15 +58,15 @@ def _member(folder: str, group: str, member: int, policies: list[str], results,
         shared_weights.read = lambda *a: os._exit(9)
     if die_after_buckets is not None:  # a member killed mid-receive: gone after n buckets
         seen = [0]
-        real = weight_channel._broadcast
+        real = weight_channel.broadcast
 
         def dying(group, tensor):
             real(group, tensor)
             seen[0] += 1
             if seen[0] >= die_after_buckets:
                 os._exit(9)
-        weight_channel._broadcast = dying
-    receiver = weight_channel.Receiver(Path(folder), group, member, timeout_s=TIMEOUT_S).start()
+        weight_channel.broadcast = dying
+    receiver = weight_receiver.Receiver(Path(folder), group, member, timeout_s=TIMEOUT_S).start()
     for policy in policies:
         delivery = receiver.take(Path(folder) / policy, timeout_s=TIMEOUT_S)
         results.put((member, policy, None if delivery is None else

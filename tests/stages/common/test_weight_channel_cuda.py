@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpipe.stages.common import handoff, weight_channel
+from rlpipe.stages.common import handoff, weight_receiver
 from rlpipe.stages.common.weight_channel import Sender
 
 from .test_weight_channel import TIMEOUT_S, checkpoint, raw
@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _member(folder: str, member: int, policy: str, results, hide_gpus: bool) -> None:
     if hide_gpus:  # (before CUDA starts in this process: it sees no GPU)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    receiver = weight_channel.Receiver(Path(folder), "rollout-a", member, timeout_s=TIMEOUT_S).start()
+    else:  # (CUDA started, as in a member whose model is on the GPU: it says it uses that GPU)
+        torch.zeros(1, device="cuda")
+    receiver = weight_receiver.Receiver(Path(folder), "rollout-a", member, timeout_s=TIMEOUT_S).start()
     delivery = receiver.take(Path(folder) / policy, timeout_s=TIMEOUT_S)
     results.put((member, None if delivery is None else (
         delivery.files["model.safetensors"].device.type, {k: raw(v.cpu()) for k, v in delivery.tensors().items()},
