@@ -56,8 +56,9 @@ class Receiver:
                 local = shared_weights.sees(address.probe, address.nonce)
                 store.set(f"weights/{joined}/local/{self.member}", "1" if local else "0")
                 self._say_gpus(store, joined, local)
-                group = weight_channel.new_group(address.backend, torch.distributed.PrefixStore(f"weights/{joined}", store),
-                                   self.member + 1, address.receivers + 1, self.timeout_s)
+                prefixed = torch.distributed.PrefixStore(f"weights/{joined}", store)
+                group = weight_channel.new_group(address.backend, prefixed, self.member + 1, address.receivers + 1,
+                                                 self.timeout_s)
             except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
                 _log.warning(f"[rlpipe weight channel] member {self.member} could not join generation {joined} "
                              f"({type(e).__name__}); it reads the policy files until the next")
