@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/cluster.md#gpu, on a machine with one CUDA GPU, from the repository root:
 #   [STEPS="in_memory loop tests offload resident"] bash benchmarks/gpu_figures.sh [OUT_DIR]
-# Steps, in this order, those named in STEPS (default "in_memory tests resident": ~9 minutes on an
-# H200, inside one call of a 15-minute device session; loop and offload take ~3-4 more each):
+# Steps, in this order, those named in STEPS (default "in_memory tests resident": ~9-10 minutes on
+# an H200, about one call's 10-minute limit: on a warm machine, STEPS="in_memory tests" in one call
+# and STEPS=resident in the next is safer; loop and offload take ~3-4 more each):
 #   in_memory  bench_loop.py at ~0.97B parameters (base_model.size=1b) in bf16 with fp32 masters,
 #              ZeRO 0 and 3, with optimize.policy_weights=with_train_state (nothing written in the
 #              measured iterations), with the share of each iteration the GPU was busy;
