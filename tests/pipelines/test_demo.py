@@ -16,7 +16,11 @@ def test_shortened_demo_reward_and_heldout_accuracy_rise(tmp_path):
 
     before = eval_metrics(run_dir / "eval_0000")["accuracy"]
     after = eval_metrics(run_dir / "iter_0011" / "eval")["accuracy"]
-    assert 0.2 <= before <= 0.6, f"warm start should be middling, got {before}"
+    # Middling: SFT taught the answer's form (a model without it scores ~0) and left room. Where it
+    # lands depends on the seed (0.50, 0.23, 0.36 for seeds 0-2, README) and, through the order of
+    # floating-point sums, on the CPU's kernels: seed 0 gave 0.50 on an AVX-512 machine and 0.15
+    # on an AVX2-only one (2026-11-27), from which GRPO still rose to 0.32 in these 12 iterations.
+    assert 0.1 <= before <= 0.6, f"warm start should be middling, got {before}"
     assert after >= before + 0.1, f"held-out greedy accuracy {before:.2f} -> {after:.2f}"
 
     rewards = [r.metrics["reward_mean"] for r in records]
