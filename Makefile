@@ -79,9 +79,10 @@ dev:
 	rm -f $(STAMP)
 	$(MAKE) setup
 
-## test: the whole test suite (what CI runs): everything but the `gpu` tests
+## test: the whole test suite (what CI runs): everything but the `gpu` tests; the 25 slowest
+## are listed at the end (the suite is meant to take ~30 minutes on 2 cores)
 test: setup vllm-env
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 ## test-fast: skip the tests marked slow, integration (end to end, multi-rank) and gpu
 test-fast: setup
