@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
@@ -23,6 +22,9 @@ from rlpipe.stages.common import device_weights
 from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Sender
 from rlpipe.stages.common.weight_delivery import Delivery
 from rlpipe.stages.common.weight_receiver import Receiver
+
+if TYPE_CHECKING:
+    from rlpipe.stages.common.handoff import WeightFile
 
 _log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ class WeightChannel:
         return self.sending_to is not None
 
     def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
-             on_gpu: Mapping[str, tuple[bytes, Sequence[torch.Tensor]]] | None = None) -> bool:
+             on_gpu: Mapping[str, WeightFile] | None = None) -> bool:
         assert self.sender is not None and self.sending_to is not None
         return self.sender.send(policy, manifest, files, self.sending_to[1], on_gpu)
 

@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from rlpipe.stages.common.handoff import WeightFile
 
 
 def visible() -> list[str]:
@@ -60,37 +63,34 @@ def on_gpu(tensors: Sequence[torch.Tensor]) -> torch.device | None:
     return device if device is not None and device.type == "cuda" else None
 
 
-def pack(header: bytes, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-    """A safetensors file's bytes (`header`, then each tensor's bytes) as one uint8 buffer on
+def pack(file: WeightFile, device: torch.device) -> torch.Tensor | None:
+    """A safetensors file's bytes (its header, then each tensor's bytes) as one uint8 buffer on
     `device`, the copies enqueued on its current stream; None when the GPU has no room for it."""
-    size = len(header) + sum(t.numel() * t.element_size() for t in tensors)
     try:
-        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        buffer = torch.empty(len(file), dtype=torch.uint8, device=device)
     except torch.cuda.OutOfMemoryError:
         return None
-    buffer[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    offset = len(header)
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if n:
-            buffer[offset:offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += n
+    buffer[:len(file.header)].copy_(torch.frombuffer(bytearray(file.header), dtype=torch.uint8))
+    offset = len(file.header)
+    for data in file.tensor_bytes():
+        buffer[offset:offset + data.numel()].copy_(data)
+        offset += data.numel()
     return buffer
 
 
-def offer(files: Mapping[str, tuple[bytes, Sequence[torch.Tensor]]],
+def offer(files: Mapping[str, WeightFile],
           members: Sequence[Sequence[str]]) -> tuple[list[torch.Tensor], dict[str, dict[str, Any]]] | None:
-    """The sender's half: weight files (name -> safetensors header, tensors in file order) packed
-    on the GPU their tensors are on and exported (the buffers, to keep until the next send; a
-    handle per file), when every member sees that GPU (`members`: each member's `visible`); None
-    where this path cannot be taken (tensors not on one GPU, a member elsewhere, no room)."""
-    devices = {on_gpu(tensors) for _, tensors in files.values()}
+    """The sender's half: weight files (their tensors on a GPU) packed on that GPU and exported
+    (the buffers, to keep until the next send; a handle per file), when every member sees that
+    GPU (`members`: each member's `visible`); None where this path cannot be taken (tensors not on
+    one GPU, a member elsewhere, no room)."""
+    devices = {on_gpu(file.tensors) for file in files.values()}
     device = devices.pop() if len(devices) == 1 else None
     if not files or device is None or not members or not all(uuid_of(device) in seen for seen in members):
         return None
     buffers = {}
-    for name, (header, tensors) in files.items():
-        if (buffer := pack(header, tensors, device)) is None:
+    for name, file in files.items():
+        if (buffer := pack(file, device)) is None:
             return None
         buffers[name] = buffer
     torch.cuda.current_stream(device).synchronize()  # (the members read them from other processes)

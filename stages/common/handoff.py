@@ -43,6 +43,7 @@ from rlpipe.schemas.hashing import new_hasher
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.staging import open_staging, raise_staging_failure, swap_into_place
 from rlpipe.schemas.writer import checkpoint_manifest, write_manifest
+from rlpipe.stages.common import device_weights
 from rlpipe.stages.common.background import in_background, wait_for_background
 
 
@@ -110,9 +111,14 @@ class WeightFile:
 
     def pieces(self) -> Iterator[memoryview]:
         yield memoryview(self.header)
+        for data in self.tensor_bytes():
+            yield memoryview(data.numpy())
+
+    def tensor_bytes(self) -> Iterator[torch.Tensor]:
+        """Each non-empty tensor's bytes, in file order: a uint8 view on its device."""
         for t in self.tensors:
             if t.numel():
-                yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                yield t.detach().reshape(-1).view(torch.uint8)
 
     def __len__(self) -> int:
         return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
@@ -301,7 +307,7 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
             the files are then written (and sent) from them: no snapshot of the whole model.
         send: given every file's bytes (a weight file's as its pieces: `WeightFile.pieces`) and
             the manifest before the write starts, and the weight files whose tensors are on a GPU
-            (name -> header, those tensors): the weight channel to the resident rollout members
+            (as `WeightFile`s of those tensors): the weight channel to the resident rollout members
             (weight_channel.py), which reads nothing of the disk. Its failure is its own to report:
             the file is written either way.
         write_weights: False: the weight files are hashed (the manifest is the same) but never
@@ -329,8 +335,8 @@ def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | s
         raise_staging_failure(e, staging, out)
     if send is not None:
         small = {f.name: f.read_bytes() for f in staging.iterdir() if f.is_file()}
-        on_gpu = {name: (file.header, file.origins) for name, file in weights.items()
-                  if file.origins and all(t.device.type == "cuda" for t in file.origins)}
+        on_gpu = {name: WeightFile(file.header, file.origins) for name, file in weights.items()
+                  if file.origins and device_weights.on_gpu(file.origins) is not None}
         sent = send(out, manifest, {**{name: list(file.pieces()) for name, file in weights.items()}, **small}, on_gpu)
         write_weights = write_weights or not sent
     for file in weights.values():

@@ -44,13 +44,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlpipe.schemas.atomic import atomic_write_json
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.stages.common import device_weights, shared_weights
+
+if TYPE_CHECKING:
+    from rlpipe.stages.common.handoff import WeightFile
 
 _log = logging.getLogger(__name__)
 
@@ -188,12 +191,12 @@ class Sender:
             shared_weights.remove(probe and probe[0])
 
     def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
-             receiving_group: str, on_gpu: Mapping[str, tuple[bytes, Sequence[torch.Tensor]]] | None = None) -> bool:
+             receiving_group: str, on_gpu: Mapping[str, WeightFile] | None = None) -> bool:
         """Broadcast checkpoint `policy` (its manifest and every file's bytes: one buffer, or its
         pieces in order, e.g. a safetensors header and then each tensor's bytes, sent as they lie
         without joining them) to every member of `receiving_group`; False (and one log line) when
         the channel fails: the members then read the file. `on_gpu`: the weight files whose
-        tensors are on a GPU (name -> header, tensors), handed over there when every member shares
+        tensors are on a GPU (`handoff.WeightFile`s of those tensors), handed over there when every member shares
         it (device_weights.py) instead of with the other files."""
         started = time.perf_counter()
         pieces = {name: [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
@@ -206,11 +209,9 @@ class Sender:
             # The previous hand-off's file is mapped by now (a member maps it as the header comes,
             # an iteration ago) or never will be (its member is gone): it goes.
             self._let_go()
-            offered = device_weights.offer(on_gpu or {}, self._member_gpus()) if self.local and on_gpu else None
-            device = {} if offered is None else offered[1]
-            if offered is not None:
-                self.device_buffers = offered[0]
-                pieces = {name: parts for name, parts in pieces.items() if name not in device}
+            offered = device_weights.offer(on_gpu, self._member_gpus()) if self.local and on_gpu else None
+            self.device_buffers, device = offered or ([], {})
+            pieces = {name: parts for name, parts in pieces.items() if name not in device}
             if self.local:  # (None when it cannot be written: then broadcast)
                 shared = shared_weights.write(f"{self.generation}-{self.sent}", pieces)
             header = json.dumps({"policy": str(Path(policy).absolute()), "manifest": manifest.model_dump_json(),

@@ -140,8 +140,8 @@ def _gpu_double(files, members):
     carries the file's bytes themselves. What it checks is the channel around it: weight files
     handed over apart from the others, merged back and checked on the member."""
     assert members == [[], []]  # (what each member of this machine said it sees: no GPU)
-    return [], {name: {"bytes": base64.b64encode(handoff.WeightFile(header, list(tensors)).to_bytes()).decode(),
-                       "size": len(handoff.WeightFile(header, list(tensors)))} for name, (header, tensors) in files.items()}
+    return [], {name: {"bytes": base64.b64encode(file.to_bytes()).decode(), "size": len(file)}
+                for name, file in files.items()}
 
 
 @pytest.mark.slow
@@ -159,7 +159,7 @@ def test_weight_files_handed_over_apart_reach_the_members_whole(tmp_path, monkey
     tensors, files, manifest = checkpoint(1)
     header, order = handoff._layout(files["model.safetensors"], tensors)
     assert sender.send(tmp_path / "policy_1", manifest, files, "rollout-a",
-                       {"model.safetensors": (header, [tensors[name] for name in order])})
+                       {"model.safetensors": handoff.WeightFile(header, [tensors[name] for name in order])})
     for _ in range(2):
         _, policy, (got, small, hash_got) = results.get(timeout=TIMEOUT_S)
         assert hash_got == manifest.content_hash and small == {"config.json": b'{"model_type": "llama"}'}
