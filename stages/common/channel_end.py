@@ -24,7 +24,7 @@ from rlpipe.stages.common.weight_delivery import Delivery
 from rlpipe.stages.common.weight_receiver import Receiver
 
 if TYPE_CHECKING:
-    from rlpipe.stages.common.handoff import WeightFile
+    from rlpipe.stages.common.weight_file import WeightFile
 
 _log = logging.getLogger(__name__)
 

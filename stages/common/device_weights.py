@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from rlpipe.stages.common.handoff import WeightFile
+    from rlpipe.stages.common.weight_file import WeightFile
 
 
 def visible() -> list[str]:

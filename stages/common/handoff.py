@@ -39,12 +39,12 @@ import torch
 
 from rlpipe.schemas import Manifest
 from rlpipe.schemas import pending as pending_artifacts
-from rlpipe.schemas.hashing import new_hasher
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.staging import open_staging, raise_staging_failure, swap_into_place
 from rlpipe.schemas.writer import checkpoint_manifest, write_manifest
 from rlpipe.stages.common import device_weights
 from rlpipe.stages.common.background import in_background, wait_for_background
+from rlpipe.stages.common.weight_file import WeightFile
 
 
 def model_copy(module: Any, dtype: torch.dtype = torch.float32,
@@ -94,43 +94,6 @@ def rebuilt(module: Any, state: Mapping[str, torch.Tensor]) -> Any:
 def tensor_identity(tensor: torch.Tensor) -> tuple:
     """Which memory a tensor is: equal for two views of the same elements (tied parameters)."""
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-
-
-@dataclass
-class WeightFile:
-    """A safetensors file held as its header and its tensors, in file order: the bytes it is
-    (`pieces`), hashed and written without joining them into one buffer. The format: an 8-byte
-    little-endian header length n, n bytes of JSON header (name -> dtype, shape, [begin, end) in
-    the data), then the data: every tensor's bytes, back to back."""
-
-    header: bytes
-    tensors: list[torch.Tensor]
-    origins: list[torch.Tensor] | None = None
-    """The module's tensors the `tensors` were copied from (on a GPU: what the weight channel hands
-    over there, device_weights.py); None when they are the tensors themselves."""
-
-    def pieces(self) -> Iterator[memoryview]:
-        yield memoryview(self.header)
-        for data in self.tensor_bytes():
-            yield memoryview(data.numpy())
-
-    def tensor_bytes(self) -> Iterator[torch.Tensor]:
-        """Each non-empty tensor's bytes, in file order: a uint8 view on its device."""
-        for t in self.tensors:
-            if t.numel():
-                yield t.detach().reshape(-1).view(torch.uint8)
-
-    def __len__(self) -> int:
-        return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def digest(self) -> str:
-        h = new_hasher()
-        for piece in self.pieces():
-            h.update(piece)
-        return h.hexdigest()
-
-    def to_bytes(self) -> bytes:
-        return b"".join(self.pieces())
 
 
 #: A file layout (each tensor's name, dtype and shape; the metadata) -> (its safetensors header, the

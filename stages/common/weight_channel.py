@@ -53,7 +53,7 @@ from rlpipe.schemas.manifest import Manifest
 from rlpipe.stages.common import device_weights, shared_weights
 
 if TYPE_CHECKING:
-    from rlpipe.stages.common.handoff import WeightFile
+    from rlpipe.stages.common.weight_file import WeightFile
 
 _log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class Sender:
         pieces in order, e.g. a safetensors header and then each tensor's bytes, sent as they lie
         without joining them) to every member of `receiving_group`; False (and one log line) when
         the channel fails: the members then read the file. `on_gpu`: the weight files whose
-        tensors are on a GPU (`handoff.WeightFile`s of those tensors), handed over there when every member shares
+        tensors are on a GPU (`WeightFile`s of those tensors), handed over there when every member shares
         it (device_weights.py) instead of with the other files."""
         started = time.perf_counter()
         pieces = {name: [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)

@@ -27,6 +27,7 @@ from rlpipe.stages.common import (
 )
 from rlpipe.stages.common.weight_channel import PACK_BYTES, Address, Sender, broadcast_plan
 from rlpipe.stages.common.weight_delivery import Delivery, check_delivery, safetensors_views
+from rlpipe.stages.common.weight_file import WeightFile
 
 # Small buckets, so each file goes in several broadcasts (the header tells the members the size).
 BUCKET = 64 << 10
@@ -159,7 +160,7 @@ def test_weight_files_handed_over_apart_reach_the_members_whole(tmp_path, monkey
     tensors, files, manifest = checkpoint(1)
     header, order = handoff._layout(files["model.safetensors"], tensors)
     assert sender.send(tmp_path / "policy_1", manifest, files, "rollout-a",
-                       {"model.safetensors": handoff.WeightFile(header, [tensors[name] for name in order])})
+                       {"model.safetensors": WeightFile(header, [tensors[name] for name in order])})
     for _ in range(2):
         _, policy, (got, small, hash_got) = results.get(timeout=TIMEOUT_S)
         assert hash_got == manifest.content_hash and small == {"config.json": b'{"model_type": "llama"}'}

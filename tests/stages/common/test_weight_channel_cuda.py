@@ -15,6 +15,7 @@ import torch
 
 from rlpipe.stages.common import handoff, weight_receiver
 from rlpipe.stages.common.weight_channel import Sender
+from rlpipe.stages.common.weight_file import WeightFile
 
 from .test_weight_channel import TIMEOUT_S, checkpoint, raw
 
@@ -45,7 +46,7 @@ def test_members_on_the_senders_gpu_take_the_weights_there(tmp_path, caplog, hid
         p.start()
     tensors, files, manifest = checkpoint(1)
     header, order = handoff._layout(files["model.safetensors"], tensors)
-    on_gpu = {"model.safetensors": handoff.WeightFile(header, [tensors[name].to("cuda") for name in order])}
+    on_gpu = {"model.safetensors": WeightFile(header, [tensors[name].to("cuda") for name in order])}
     sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1")
     assert sender.send(tmp_path / "policy_1", manifest, files, "rollout-a", on_gpu)
     got = dict(results.get(timeout=TIMEOUT_S) for _ in range(2))
