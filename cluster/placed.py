@@ -16,7 +16,8 @@ from rlpipe.cluster.inprocess import run_in_process
 from rlpipe.cluster.launch import local_env
 from rlpipe.cluster.logs import log_dir
 from rlpipe.cluster.placement import Launch, StagePlacement
-from rlpipe.cluster.resident import Handle, ResidentGroups
+from rlpipe.cluster.resident import Handle
+from rlpipe.cluster.resident_groups import ResidentGroups
 from rlpipe.cluster.workorders import GroupDir
 from rlpipe.schemas import ArtifactError, Manifest
 from rlpipe.schemas.reading import recorded_manifest

@@ -215,11 +215,12 @@ def test_a_stopped_group_is_gone_before_stop_returns(tmp_path):
 def test_a_new_group_waits_until_the_old_members_are_gone(tmp_path, monkeypatch):
     """A retry after a failed call (or the same command rerun) starts a stage's group only once
     the failed group's members have gone; one still beating refuses the start as a machine failure."""
-    from rlpipe.cluster import resident as module
+    from rlpipe.cluster import resident, resident_groups
     from rlpipe.cluster.placement import Launch, StagePlacement
     from rlpipe.stages import StageCall
 
-    monkeypatch.setattr(module, "ABANDON_WAIT_S", 1.0)
+    for module in (resident, resident_groups):  # (a group's stop; the run's start of a new group)
+        monkeypatch.setattr(module, "ABANDON_WAIT_S", 1.0)
     monkeypatch.setattr("rlpipe.cluster.workorders.ABANDON_WAIT_S", 1.0)  # (an earlier driver's groups: `sweep`)
     old = GroupDir.create(tmp_path, "task", 1, driver_timeout_s=60)
     old.member_started(0, this_process())  # this process: alive, and beating below
@@ -236,7 +237,7 @@ def test_a_new_group_waits_until_the_old_members_are_gone(tmp_path, monkeypatch)
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
     started: list[str] = []
-    groups = module.ResidentGroups(Launch(launcher="processes"),
+    groups = resident_groups.ResidentGroups(Launch(launcher="processes"),
                                    lambda stage, p, group, members, logs: started.append(stage) or Handle())
     failed = ResidentGroup("task", old, 1, Handle(), stall_timeout_s=60)
     failed.stop(grace=0.1)
@@ -259,7 +260,7 @@ def test_a_member_lost_in_its_last_background_save_fails_the_end_of_the_run(tmp_
     a success without that train state."""
     from rlpipe.cluster.placement import Launch
     from rlpipe.cluster.process_group import Process, ProcessGroup
-    from rlpipe.cluster.resident import ResidentGroups
+    from rlpipe.cluster.resident_groups import ResidentGroups
 
     group = GroupDir.create(tmp_path, "task", 1, driver_timeout_s=60)
     paused = tmp_path / "paused"

@@ -136,7 +136,8 @@ def test_a_failed_last_background_save_fails_the_end_of_the_run(tmp_path, monkey
     from rlpipe.cluster import worker
     from rlpipe.cluster.failures import StageUserError
     from rlpipe.cluster.placement import Launch
-    from rlpipe.cluster.resident import ResidentGroup, ResidentGroups
+    from rlpipe.cluster.resident import ResidentGroup
+    from rlpipe.cluster.resident_groups import ResidentGroups
     from rlpipe.schemas.errors import ArtifactError
     from rlpipe.stages.common import background
 
