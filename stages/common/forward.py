@@ -115,12 +115,12 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     P = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     T_b = torch.tensor([len(r) for r in responses], dtype=torch.long)
     T = int(T_b.max()) if B else 0
-    response_ids = torch.zeros((B, T), dtype=torch.long)
-    for b, r in enumerate(responses):
-        if len(r):
-            response_ids[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
     t = torch.arange(T).unsqueeze(0)
     mask = (t < T_b.unsqueeze(1)).float()
+    # (every token written in one pass: a tensor write per row cost milliseconds a batch, while a
+    # GPU waits for the batch)
+    response_ids = torch.zeros((B, T), dtype=torch.long)
+    response_ids[mask > 0] = _concatenated(responses, int(T_b.sum()))
     sequences = [[*p, *r] for p, r in zip(prompts, responses, strict=True)]
     if packed:
         rows = PackedRows(sequences, pad_id)
@@ -130,17 +130,20 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
                             torch.tensor(rows.row_of, dtype=torch.long), rows.position_ids)
     else:
         L = int((P + T_b).max()) if B else 0
+        attention_mask = (torch.arange(L).unsqueeze(0) < (P + T_b).unsqueeze(1)).long()
         input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((B, L), dtype=torch.long)
-        for b, seq in enumerate(sequences):
-            input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[b, : len(seq)] = 1
+        input_ids[attention_mask > 0] = _concatenated(sequences, int(attention_mask.sum()))
         positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
         batch = PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b, torch.arange(B))
     if sampled is not None:
         for b, m in enumerate(sampled):
             mask[b, : len(m)] *= torch.as_tensor(np.asarray(m, dtype=np.float32))
     return batch
+
+
+def _concatenated(sequences: Sequence[Sequence[int]], total: int) -> torch.Tensor:
+    """Every token of `sequences` (`total` of them), one after another, as one int64 tensor."""
+    return torch.from_numpy(np.fromiter((t for q in sequences for t in q), dtype=np.int64, count=total))
 
 
 class PackedRows:
@@ -167,7 +170,7 @@ class PackedRows:
         start = np.asarray(self.row_of, dtype=np.int64) * width + np.asarray(self.start_of, dtype=np.int64)
         place = np.repeat(start, n) + position
         ids = np.full(len(fill) * width, pad_id, dtype=np.int64)
-        ids[place] = np.fromiter((t for q in sequences for t in q), dtype=np.int64, count=len(place))
+        ids[place] = _concatenated(sequences, len(place)).numpy()
         # a row's trailing padding is a segment of its own, its positions from 0
         positions = np.tile(np.arange(width, dtype=np.int64), len(fill)) - np.repeat(np.asarray(fill), width)
         positions[place] = position
@@ -182,11 +185,12 @@ def _fewest_positions(lengths: list[int], longest: int) -> tuple[int, tuple[list
     and no further once it exceeds the best found (the same choice as trying all 17)."""
     total = sum(lengths)
     bound = {w: -(-total // max(w, 1)) * w for w in {longest + longest * k // 16 for k in range(17)}}
+    longest_first = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b))  # (the same for every width)
     best: tuple[int, int, Any] | None = None
     for w in sorted(bound, key=lambda w: (bound[w], w)):
         if best is not None and (bound[w], w) > best[:2]:
             break
-        layout = _first_fit(lengths, w)
+        layout = _first_fit(lengths, w, longest_first)
         cost = len(layout[2]) * w
         if best is None or (cost, w) < best[:2]:
             best = (cost, w, layout)
@@ -194,24 +198,29 @@ def _fewest_positions(lengths: list[int], longest: int) -> tuple[int, tuple[list
     return best[1], best[2]
 
 
-def _first_fit(lengths: list[int], width: int) -> tuple[list[int], list[int], list[int]]:
+def _first_fit(lengths: list[int], width: int,
+               longest_first: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
     """First-fit decreasing of sequences of `lengths` into rows of `width`: (row of each, start of
     each, each row's fill). Rows with less room than the shortest sequence are passed over for
-    good (`open_rows`, in row order)."""
+    good (`open_rows`, in row order). `longest_first`: the sequences by decreasing length (ties by
+    index), when the caller has it."""
     fill: list[int] = []
     open_rows: list[int] = []
     shortest = min(lengths, default=0)
     row_of, start_of = [0] * len(lengths), [0] * len(lengths)
-    for b in sorted(range(len(lengths)), key=lambda b: (-lengths[b], b)):
-        room = width - lengths[b]
-        i = next((i for i, r in enumerate(open_rows) if fill[r] <= room), None)
-        if i is None:
+    if longest_first is None:
+        longest_first = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b))
+    for b in longest_first:
+        n = lengths[b]
+        room = width - n
+        for r in open_rows:  # the first open row it fits in, else a new one
+            if fill[r] <= room:
+                break
+        else:
             fill.append(0)
             open_rows.append(r := len(fill) - 1)
-        else:
-            r = open_rows[i]
         row_of[b], start_of[b] = r, fill[r]
-        fill[r] += lengths[b]
+        fill[r] += n
         if fill[r] + shortest > width:
             open_rows.remove(r)
     return row_of, start_of, fill
