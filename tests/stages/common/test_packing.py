@@ -183,3 +183,28 @@ def test_packed_rows_are_the_first_fit_layout_with_the_fewest_positions():
         row_of, start_of, ids, positions = _layout_by_hand(sequences, pad_id=-1)
         assert (rows.row_of, rows.start_of) == (row_of, start_of)
         assert rows.input_ids.tolist() == ids and rows.position_ids.tolist() == positions
+
+
+def test_a_micro_batch_laid_out_at_once_is_the_row_by_row_layout():
+    """`pack` writes every token in one pass: the padded rows, their attention mask and the
+    response ids are what writing each row by hand gives, empty responses and episodes' masks of
+    environment tokens included."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(40):
+        B = rng.randint(1, 30)
+        prompts = [[rng.randint(1, 99) for _ in range(rng.randint(1, 12))] for _ in range(B)]
+        responses = [[rng.randint(1, 99) for _ in range(rng.randint(0, 15))] for _ in range(B)]
+        sampled = [[float(rng.random() < 0.7) for _ in r] for r in responses]
+        L, T = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)), max(len(r) for r in responses)
+        ids, attention = [[-1] * L for _ in range(B)], [[0] * L for _ in range(B)]
+        response_ids, mask = [[0] * T for _ in range(B)], [[0.0] * T for _ in range(B)]
+        for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            ids[b][:len(p) + len(r)], attention[b][:len(p) + len(r)] = p + r, [1] * (len(p) + len(r))
+            response_ids[b][:len(r)], mask[b][:len(r)] = r, sampled[b]
+        for packed in (False, True):
+            batch = pack(prompts, responses, -1, sampled=sampled, packed=packed)
+            assert batch.response_ids.tolist() == response_ids and batch.mask.tolist() == mask
+            if not packed:
+                assert batch.input_ids.tolist() == ids and batch.attention_mask.tolist() == attention
