@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import Manifest
@@ -21,10 +20,8 @@ from rlpipe.schemas.reading import read_manifest
 from rlpipe.stages.common import device_weights
 from rlpipe.stages.common.weight_channel import CONNECT_TIMEOUT_S, Buffer, Sender
 from rlpipe.stages.common.weight_delivery import Delivery
+from rlpipe.stages.common.weight_file import WeightFile
 from rlpipe.stages.common.weight_receiver import Receiver
-
-if TYPE_CHECKING:
-    from rlpipe.stages.common.weight_file import WeightFile
 
 _log = logging.getLogger(__name__)
 

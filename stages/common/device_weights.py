@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from rlpipe.stages.common.weight_file import WeightFile
+from rlpipe.stages.common.weight_file import WeightFile
 
 
 def visible() -> list[str]:

@@ -44,16 +44,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rlpipe.schemas.atomic import atomic_write_json
 from rlpipe.schemas.manifest import Manifest
 from rlpipe.stages.common import device_weights, shared_weights
-
-if TYPE_CHECKING:
-    from rlpipe.stages.common.weight_file import WeightFile
+from rlpipe.stages.common.weight_file import WeightFile
 
 _log = logging.getLogger(__name__)
 
