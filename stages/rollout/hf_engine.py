@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlpipe.stages.rollout.core import find_stop, sample_inverse_cdf, sampling_probs, token_logprobs
@@ -98,12 +99,14 @@ class TransformersEngine:
         return [samples[j * G : (j + 1) * G] for j in range(len(prompts))]
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        P = max(len(r) for r in rows)
+        """(input_ids, attention_mask) of `rows` padded on the left to the longest: every token
+        laid in at once (a tensor write per row cost ~50 us, 6 ms for 128 rows)."""
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        P = int(lengths.max())
+        attn = (torch.arange(P).unsqueeze(0) >= (P - lengths).unsqueeze(1)).long()
         input_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), P), dtype=torch.long)
-        for b, r in enumerate(rows):
-            input_ids[b, P - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attn[b, P - len(r) :] = 1
+        input_ids[attn > 0] = torch.from_numpy(np.fromiter((t for r in rows for t in r), dtype=np.int64,
+                                                           count=int(lengths.sum())))
         return input_ids.to(self.device), attn.to(self.device)
 
 
