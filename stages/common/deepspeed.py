@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
@@ -29,12 +30,33 @@ _log = logging.getLogger(__name__)
 
 def import_deepspeed():
     """The deepspeed module, imported after choosing its accelerator (CPU when there is no CUDA)."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    with _unimportable("mlflow"):
+        import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return deepspeed
+
+
+@contextlib.contextmanager
+def _unimportable(name: str) -> Iterator[None]:
+    """Within the block, `import name` raises ImportError (unless it is imported already).
+
+    DeepSpeed's autotuner, imported with deepspeed, imports MLflow where it is installed (rlpipe's
+    `loggers` extra) for a feature rlpipe does not use: 2.2 of deepspeed's 2.7 s of import here,
+    paid by every process that trains. Importable again after the block (the MLflow sink's own)."""
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None  # type: ignore[assignment]  (the import system's "not importable")
+    try:
+        yield
+    finally:
+        if sys.modules.get(name, 0) is None:
+            del sys.modules[name]
 
 
 def number_parameters_from_zero() -> None:

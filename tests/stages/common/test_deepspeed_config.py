@@ -163,3 +163,24 @@ def test_a_bf16_engine_keeps_the_fp32_buffers_older_deepspeed_casts(tiny_policy_
     ds._keep_fp32_buffers(model, before)
     assert all(torch.equal(dict(model.named_buffers())[n], b) for n, b in before.items())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
+    """DeepSpeed's autotuner imports MLflow where it is installed (the `loggers` extra): seconds of
+    every training process's start-up, for nothing rlpipe uses. `import_deepspeed` keeps it out,
+    and the MLflow sink imports it afterwards as usual. (A fresh process: this one may hold both.)"""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("mlflow is not installed (the loggers extra)")
+    script = ("import sys\n"
+              "from rlpipe.stages.common.deepspeed import import_deepspeed\n"
+              "import_deepspeed()\n"
+              "from deepspeed.autotuning import autotuner\n"
+              "assert 'mlflow' not in sys.modules and not autotuner.has_mlflow, sorted(sys.modules)[:5]\n"
+              "import mlflow\n"
+              "assert mlflow.log_metric, mlflow\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
