@@ -131,29 +131,30 @@ def load_model(path: Path | str, kind: str = "causal", *, cache: bool = True,
     path, dtype = Path(path), dtype or torch.float32
     if slot is not None and (delivered := _from_channel(slot, path, kind, dtype)) is not None:
         return delivered.model, delivered.tokenizer
-    if not path.is_dir() and pending_manifest(path) is None:
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    key = _cache_key(path, kind, dtype) if cache else None
-    if key in MODELS.cache:
-        # Held in memory under the content its manifest names: the policy optimize just handed
-        # over (its files perhaps still being written: handoff.py), or a checkpoint saved or
-        # loaded here before. What is returned is that content, so its files are not hashed
-        # again for it (a reader of the files verifies them); a policy written a moment ago is
-        # too young for the hash memo (verify.py's racy window) and would be read and hashed whole.
+    if cache and pending_manifest(path) is not None and _cache_key(path, kind, dtype) in MODELS.cache:
+        # the policy optimize just handed over in memory, its files still being written (handoff.py)
         if slot is not None:
             MODELS.last_load[slot] = "cache"
-        return MODELS.cache[key]
+        return MODELS.cache[_cache_key(path, kind, dtype)]
+    if not path.is_dir() and pending_manifest(path) is None:
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
     manifest = verify_checkpoint(path)  # every file as its manifest promises (hashes memoised by stat); waits for a pending write
-    _refuse_unwritten(path, manifest)
+    key = _cache_key(path, kind, dtype) if cache else None
+    if key not in MODELS.cache:  # (read from its files)
+        _refuse_unwritten(path, manifest)
     if not cache:
         return load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
     if slot is not None:
+        if key in MODELS.cache:  # (the local runner: the checkpoint optimize just saved, from memory)
+            MODELS.last_load[slot] = "cache"
+            return MODELS.cache[key]
         held = load_into_slot(slot, path, kind, key[0], dtype)
         MODELS.last_load[slot] = held.how
         return held.model, held.tokenizer
-    if len(MODELS.cache) >= _MAX_ENTRIES:
-        MODELS.cache.pop(next(iter(MODELS.cache)))
-    MODELS.cache[key] = load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
+    if key not in MODELS.cache:
+        if len(MODELS.cache) >= _MAX_ENTRIES:
+            MODELS.cache.pop(next(iter(MODELS.cache)))
+        MODELS.cache[key] = load_checkpoint(path, kind, dtype)  # type: ignore[arg-type]
     return MODELS.cache[key]
 
 

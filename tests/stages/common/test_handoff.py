@@ -214,25 +214,3 @@ def test_optimize_waits_for_saves_of_live_tensors_but_not_the_last_snapshot(in_b
     threading.Timer(0.4, gates[2].set).start()
     background.wait_for_background(detached_in_flight=1)  # live tensors last: everything
     assert done == [0, 1, 2] and background.BACKGROUND.pending == [] and background.BACKGROUND.detached == set()
-
-
-def test_the_copy_handed_over_is_loaded_from_memory_after_its_files_are_written(tiny_tokenizer, tmp_path,
-                                                                                in_background, monkeypatch):
-    """Once the background write is done, the rollout's load of the policy is still the copy in
-    memory, its files not read again (a policy written a moment ago is too young for the hash
-    memo: every byte would be hashed); a process without the copy verifies the files."""
-    from rlpipe.schemas.errors import IntegrityError
-    from rlpipe.stages.common import models
-
-    model = build_model("llama", tiny_tokenizer)
-    out = tmp_path / "policy"
-    _, copy_ = handoff.hand_over(model, tiny_tokenizer, out, max_shard_size="5GB", manifest_fields=FIELDS)
-    models.remember(out, "causal", copy_, tiny_tokenizer)
-    background.wait_for_background()
-    assert pending.pending_manifest(out) is None and (out / "_manifest.json").is_file()
-    weights = out / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))  # one bit flipped
-    assert models.load_model(out, slot="rollout")[0] is copy_ and models.slot_load("rollout") == "cache"
-    models.clear_cache()  # (another process: nothing held)
-    with pytest.raises(IntegrityError, match="model.safetensors"):
-        models.load_model(out, slot="rollout")
