@@ -59,6 +59,8 @@ class WeightChannel:
             # (a previous policy handed over on the GPU that the members have let go of since, as
             # they took a newer one, is freed before this order trains: device_weights.py)
             device_weights.release()
+        if self.sender is not None and receivers is not None:
+            self.sender.prepare()  # (the next hand-off's shared-memory file, allocated while this order trains)
 
     def sends(self) -> bool:
         """Whether the current order's new policy goes over the channel (on every rank)."""

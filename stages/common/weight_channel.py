@@ -156,6 +156,8 @@ class Sender:
         self.shared_memory = shared_memory  # (offered to the members of this machine: shared_weights.py)
         self.local = False  # whether every member of this generation shares this process's memory
         self.shared_files: list[Path] = []  # hand-offs written to shared memory, not yet let go
+        self.spare = shared_weights.Spare()  # the next one's file, allocated beforehand (`prepare`)
+        self.shared_size = 0  # bytes of the last hand-off through shared memory
         self.device_buffers: list[torch.Tensor] = []  # weight files handed over on the GPU, not yet let go
         self.timeout_s, self.host, self.bucket_bytes = timeout_s, host, bucket_bytes
         self.group: Any = None
@@ -211,7 +213,9 @@ class Sender:
             self.device_buffers, device = offered or ([], {})
             pieces = {name: parts for name, parts in pieces.items() if name not in device}
             if self.local:  # (None when it cannot be written: then broadcast)
-                shared = shared_weights.write(f"{self.generation}-{self.sent}", pieces)
+                size = sum(len(p) for parts in pieces.values() for p in parts)
+                shared = shared_weights.write(f"{self.generation}-{self.sent}", pieces, spare=self.spare.take(size))
+                self.shared_size = size if shared is not None else 0
             header = json.dumps({"policy": str(Path(policy).absolute()), "manifest": manifest.model_dump_json(),
                                  "files": [[name, [len(p) for p in parts]] for name, parts in pieces.items()],
                                  "bucket": self.bucket_bytes, "shared": None if shared is None else str(shared),
@@ -236,6 +240,13 @@ class Sender:
         _log.info(f"[rlpipe weight channel] sent {policy.name} ({size / 1e6:.1f} MB) to {self.receivers} "
                   f"member(s) in {time.perf_counter() - started:.2f} s{f' ({how})' if how else ''}")
         return True
+
+    def prepare(self) -> None:
+        """Allocate the next hand-off's shared-memory file now, off the send's critical path
+        (called as an order that sends starts: while it trains), where the last hand-off went
+        through shared memory: of its size (`shared_weights.Spare`)."""
+        if self.local and self.shared_size:
+            self.spare.prepare(self.shared_size)
 
     def _broadcast_files(self, pieces: Mapping[str, list[Buffer]]) -> None:
         with warnings.catch_warnings():  # (a read-only buffer: broadcast from the root only reads it)
@@ -273,6 +284,7 @@ class Sender:
 
     def close(self) -> None:
         self._let_go()
+        self.spare.discard()
         if self.group is not None:
             try:
                 self.group.abort()

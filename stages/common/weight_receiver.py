@@ -21,6 +21,9 @@ from rlpipe.stages.common.weight_delivery import Delivery, check_delivery
 
 _log = logging.getLogger(__name__)
 
+#: How long one wait for the next header lasts (`_poll`).
+_HEADER_WAIT = timedelta(hours=1)
+
 
 class Receiver:
     """A rollout member's end: a thread joining each generation and keeping what it receives."""
@@ -150,13 +153,17 @@ def _received_bytes(group: Any, header: dict[str, Any]) -> dict[str, torch.Tenso
 def _poll(store: Any, key: str, stopped: Any) -> str | None:
     """The value of `key` once the sender sets it (None if the receiver stops first); raises when
     the store is gone (the sender's process ended: a new generation will come). A blocking wait on
-    the store, so the member joins the broadcast as soon as the header is set."""
+    the store, so the member joins the broadcast as soon as the header is set: in waits of an hour
+    (torch's store logs two warning lines for every wait that times out, which a wait of a second
+    put in the member's log every second of an iteration); a receiver stopped meanwhile takes
+    nothing that comes after."""
     while not stopped():
         try:
-            store.wait([key], timedelta(seconds=1))
+            store.wait([key], _HEADER_WAIT)
         except torch.distributed.DistStoreError as e:
             if "timeout" not in str(e).lower():
                 raise
             continue
-        return store.get(key).decode()
+        return None if stopped() else store.get(key).decode()
     return None
+

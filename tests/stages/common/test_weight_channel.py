@@ -112,13 +112,20 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, ca
     members = [_start(ctx, tmp_path, "rollout-a", m, ["policy_1", "policy_2"], results) for m in range(2)]
     sender = Sender(tmp_path, 2, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET,
                     shared_memory=shared_memory)
-    sent = {}
+    sent, spares = {}, []
     for k in (1, 2):
         tensors, files, manifest = checkpoint(k)
         if k == 2:  # a file sent as its pieces (as a hand-over sends a safetensors header, then each tensor)
             data = files["model.safetensors"]
             files = {**files, "model.safetensors": [data[:10], b"", memoryview(data)[10:BUCKET + 3], data[BUCKET + 3:]]}
+            # (as the next order that sends starts: the shared-memory file of the next hand-off allocated
+            # beforehand, of the last one's size, which the same shapes keep)
+            sender.prepare()
+            sender.spare._join()
+            spares = [(p, p.stat().st_ino) for p in _shared_files()]
         assert sender.send(tmp_path / f"policy_{k}", manifest, files, "rollout-a")
+        if k == 2 and shared_memory:  # the second went through the spare, written in place
+            assert len(spares) == 1 and sender.shared_files[0].stat().st_ino == spares[0][1]
         sent[f"policy_{k}"] = (tensors, manifest.content_hash)
         got = sorted(results.get(timeout=TIMEOUT_S) for _ in range(2))
         for member, (m, policy, delivery) in enumerate(got):
@@ -129,7 +136,8 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, ca
             assert tensors_got == {name: raw(t) for name, t in sent[policy][0].items()}
     assert Address.read(tmp_path).generation == 1  # one generation served both
     # the members of this machine took the shared-memory path when offered it, and no file is left
-    assert sender.local == shared_memory and not _shared_files()
+    # (the last member to map one removes it; the broadcast prepares no spare)
+    assert sender.local == shared_memory and not _shared_files() and len(spares) == shared_memory
     assert caplog.text.count("(shared memory)") == (2 if shared_memory else 0)  # (the sender's log lines)
     sender.close()
     for p in members:
@@ -151,7 +159,7 @@ def test_weight_files_handed_over_apart_reach_the_members_whole(tmp_path, monkey
     monkeypatch.setattr(device_weights, "offer", _gpu_double)
     through_shared_memory = []
     write = shared_weights.write
-    monkeypatch.setattr(shared_weights, "write", lambda tag, pieces: through_shared_memory.append(sorted(pieces))
+    monkeypatch.setattr(shared_weights, "write", lambda tag, pieces, **kw: through_shared_memory.append(sorted(pieces))
                         or write(tag, pieces))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -270,3 +278,44 @@ def test_a_killed_senders_shared_files_are_swept():
     finally:
         shared_weights.remove(ours)
         shared_weights.remove(left)
+
+
+def test_a_spare_shared_file_is_written_in_place_when_it_has_the_size_and_goes_otherwise():
+    """The next hand-off's shared-memory file is allocated beforehand (`Spare`): taken by a write of
+    its size (the same file, holding the pieces back to back), removed for any other size, with
+    the sender, and never left behind."""
+    pieces = {"model.safetensors": [b"h" * 10, memoryview(bytearray(b"w" * 1000)), b""], "config.json": [b"{}"]}
+    spare = shared_weights.Spare()
+    written = None
+    try:
+        spare.prepare(1012)
+        spare._join()
+        (allocated,) = _shared_files()
+        assert allocated.stat().st_size == 1012
+        inode = allocated.stat().st_ino
+        written = shared_weights.write("9-1", pieces, spare=spare.take(1012))
+        assert written.stat().st_ino == inode and not allocated.exists()
+        assert written.read_bytes() == b"h" * 10 + b"w" * 1000 + b"{}"
+        spare.prepare(1012)
+        assert spare.take(1011) is None and _shared_files() == {written}  # (the wrong size: gone)
+        spare.prepare(1012)
+        spare.discard()
+        assert _shared_files() == {written}
+    finally:
+        spare.discard()
+        shared_weights.remove(written)
+    assert not _shared_files()
+
+
+def test_a_member_waits_for_the_next_header_without_a_word(capfd):
+    """A member waits for each hand-off's header on the channel's store for as long as an iteration
+    lasts, and its log stays quiet: torch's store logs two warning lines for each wait that times
+    out (with waits of a second, two lines a second of every iteration)."""
+    import threading
+    from datetime import timedelta
+
+    master = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    member = torch.distributed.TCPStore("127.0.0.1", master.port, 2, is_master=False, timeout=timedelta(seconds=30))
+    threading.Timer(2.5, lambda: master.set("weights/1/header/1", "{}")).start()
+    assert weight_receiver._poll(member, "weights/1/header/1", lambda: False) == "{}"
+    assert "waitForInput" not in capfd.readouterr().err
