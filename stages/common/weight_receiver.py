@@ -166,4 +166,3 @@ def _poll(store: Any, key: str, stopped: Any) -> str | None:
             continue
         return None if stopped() else store.get(key).decode()
     return None
-
