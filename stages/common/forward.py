@@ -120,7 +120,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     # (every token written in one pass: a tensor write per row cost milliseconds a batch, while a
     # GPU waits for the batch)
     response_ids = torch.zeros((B, T), dtype=torch.long)
-    response_ids[mask > 0] = _concatenated(responses, int(T_b.sum()))
+    response_ids[mask > 0] = concatenated(responses, int(T_b.sum()))
     sequences = [[*p, *r] for p, r in zip(prompts, responses, strict=True)]
     if packed:
         rows = PackedRows(sequences, pad_id)
@@ -132,7 +132,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
         L = int((P + T_b).max()) if B else 0
         attention_mask = (torch.arange(L).unsqueeze(0) < (P + T_b).unsqueeze(1)).long()
         input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-        input_ids[attention_mask > 0] = _concatenated(sequences, int(attention_mask.sum()))
+        input_ids[attention_mask > 0] = concatenated(sequences, int(attention_mask.sum()))
         positions = (P.unsqueeze(1) + t - 1).clamp(max=max(L - 1, 0)) * mask.long()
         batch = PackedBatch(input_ids, attention_mask, positions, mask, response_ids, P, T_b, torch.arange(B))
     if sampled is not None:
@@ -141,7 +141,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     return batch
 
 
-def _concatenated(sequences: Sequence[Sequence[int]], total: int) -> torch.Tensor:
+def concatenated(sequences: Sequence[Sequence[int]], total: int) -> torch.Tensor:
     """Every token of `sequences` (`total` of them), one after another, as one int64 tensor."""
     return torch.from_numpy(np.fromiter((t for q in sequences for t in q), dtype=np.int64, count=total))
 
@@ -170,7 +170,7 @@ class PackedRows:
         start = np.asarray(self.row_of, dtype=np.int64) * width + np.asarray(self.start_of, dtype=np.int64)
         place = np.repeat(start, n) + position
         ids = np.full(len(fill) * width, pad_id, dtype=np.int64)
-        ids[place] = _concatenated(sequences, len(place)).numpy()
+        ids[place] = concatenated(sequences, len(place)).numpy()
         # a row's trailing padding is a segment of its own, its positions from 0
         positions = np.tile(np.arange(width, dtype=np.int64), len(fill)) - np.repeat(np.asarray(fill), width)
         positions[place] = position

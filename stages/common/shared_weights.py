@@ -127,10 +127,10 @@ class Spare:
     def take(self, size: int) -> Path | None:
         """The spare, once allocated, when it has `size` bytes; else None (and it goes)."""
         self._join()
-        ready, self._ready = self._ready, None
-        if ready is not None and ready[1] == size:
-            return ready[0]
-        remove(ready and ready[0])
+        if self._ready is not None and self._ready[1] == size:
+            path, self._ready = self._ready[0], None
+            return path
+        self.discard()
         return None
 
     def discard(self) -> None:

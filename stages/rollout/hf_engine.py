@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from rlpipe.stages.common.forward import concatenated
 from rlpipe.stages.rollout.core import find_stop, sample_inverse_cdf, sampling_probs, token_logprobs
 from rlpipe.stages.rollout.engines import Sample, SamplingSpec
 
@@ -105,8 +105,7 @@ class TransformersEngine:
         P = int(lengths.max())
         attn = (torch.arange(P).unsqueeze(0) >= (P - lengths).unsqueeze(1)).long()
         input_ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)
-        input_ids[attn > 0] = torch.from_numpy(np.fromiter((t for r in rows for t in r), dtype=np.int64,
-                                                           count=int(lengths.sum())))
+        input_ids[attn > 0] = concatenated(rows, int(lengths.sum()))
         return input_ids.to(self.device), attn.to(self.device)
 
 
