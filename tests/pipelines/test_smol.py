@@ -1,5 +1,6 @@
-"""A real pretrained model end to end, as a user runs it: `rlpipe model import` of SmolLM2-135M-
-Instruct's GGUF file into models/, `rlpipe run smol --local iterations=2` (smaller batches and
+"""A real pretrained model end to end, as a user runs it: SmolLM2-135M-Instruct's GGUF file as
+`rlpipe model import` puts it into models/ (the session's import, copied there), `rlpipe run smol
+--local iterations=2` (smaller batches and
 held-out set than the preset's, for time), then `rlpipe inspect --decode` of its rollouts.
 
 What is checked: the rollouts' prompt ids are the chat template's rendering of each question, token
@@ -15,7 +16,7 @@ import subprocess
 
 import polars as pl
 import pytest
-from smollm2 import smollm2_gguf
+from smollm2 import copy_smollm2
 from test_user_errors import RLPIPE, script
 
 from rlpipe.stages.score.verifiers import answer_match
@@ -27,10 +28,9 @@ SMALL = ["prompts_per_iteration=2", "rollout.max_new_tokens=64", "data.task.n_he
 
 
 @pytest.fixture(scope="module")
-def smol_run(tmp_path_factory):
+def smol_run(tmp_path_factory, smollm2_checkpoint):
     cwd = tmp_path_factory.mktemp("smol")
-    code, said = script("model", "import", smollm2_gguf(), "models/smollm2-135m-instruct", cwd=cwd)
-    assert code == 0, said
+    copy_smollm2(smollm2_checkpoint[0], cwd / "models" / "smollm2-135m-instruct")
     code, said = script("run", "smol", "--local", "iterations=2", *SMALL, cwd=cwd)
     assert code == 0, said
     return cwd

@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from smollm2 import smollm2_gguf
 from test_user_errors import script
 
 from rlpipe.schemas import ROLLOUTS, read_table_artifact
@@ -30,16 +29,15 @@ G, MAX_NEW, PROMPTS = 4, 48, 6
 
 
 @pytest.fixture(scope="module")
-def smol_vllm(tmp_path_factory):
+def smol_vllm(tmp_path_factory, smollm2_checkpoint):
     root = tmp_path_factory.mktemp("smol_vllm")
-    code, said = script("model", "import", smollm2_gguf(), root / "model", cwd=root)
-    assert code == 0, said
+    model = smollm2_checkpoint[0]  # (read only)
     code, said = script("stage", "task", f"train={root / 'train'}", f"heldout={root / 'heldout'}", "a_range=[1,20]",
                         "b_range=[1,20]", f"n_train={PROMPTS}", "n_heldout=1",
                         "question=What is {a} {op} {b}? Reply with the number only.", cwd=root)
     assert code == 0, said
     out = root / "rollouts"
-    cmd = [str(VLLM_PY), "-m", "rlpipe.stages.rollout", "engine=vllm", f"checkpoint={root / 'model'}",
+    cmd = [str(VLLM_PY), "-m", "rlpipe.stages.rollout", "engine=vllm", f"checkpoint={model}",
            f"prompts={root / 'train'}", f"output={out}", f"group_size={G}", f"max_new_tokens={MAX_NEW}",
            "temperature=0.7", "max_model_len=256", f"num_prompts={PROMPTS}", "seed=0"]
     proc = subprocess.run(cmd, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}, capture_output=True, text=True,
@@ -48,8 +46,8 @@ def smol_vllm(tmp_path_factory):
     return root
 
 
-def test_vllm_samples_smollm2_with_the_transformers_log_probs(smol_vllm, rollout_check):
-    counts = rollout_check(smol_vllm / "rollouts", smol_vllm / "model", group_size=G, max_new_tokens=MAX_NEW,
+def test_vllm_samples_smollm2_with_the_transformers_log_probs(smol_vllm, smollm2_checkpoint, rollout_check):
+    counts = rollout_check(smol_vllm / "rollouts", smollm2_checkpoint[0], group_size=G, max_new_tokens=MAX_NEW,
                            exact_text=False)
     assert counts["eos"] > 0, counts  # the model ends its turns with its own <|im_end|>
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from smollm2 import smollm2_gguf
 from test_user_errors import script
 
 from rlpipe.schemas import ROLLOUTS, read_table_artifact
@@ -38,16 +37,15 @@ G, PROMPTS = 2, 4
 
 
 @pytest.fixture(scope="module")
-def episodes(tmp_path_factory):
+def episodes(tmp_path_factory, smollm2_checkpoint):
     root = tmp_path_factory.mktemp("smol_vllm_episodes")
-    code, said = script("model", "import", smollm2_gguf(), root / "model", cwd=root)
-    assert code == 0, said
+    model = smollm2_checkpoint[0]  # (read only)
     task = PRESET["data"]["task"]
     code, said = script("stage", "task", f"train={root / 'train'}", f"heldout={root / 'heldout'}", f"sft={root / 'sft_data'}",
                         "a_range=[10,99]", "b_range=[10,99]", "ops=['*']", f"n_train={task['n_train']}", "n_heldout=1",
                         "sft_tool_fraction=1.0", f"question={task['question']}", cwd=root)
     assert code == 0, said
-    sft = {**PRESET["sft"], "base": str(root / "model"), "prompts": str(root / "sft_data"), "output": str(root / "sft"),
+    sft = {**PRESET["sft"], "base": str(model), "prompts": str(root / "sft_data"), "output": str(root / "sft"),
            "system_prompt": SYSTEM}
     (root / "sft.yaml").write_text(yaml.safe_dump(sft))
     code, said = script("stage", "sft", "-c", root / "sft.yaml", cwd=root)
