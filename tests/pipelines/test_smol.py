@@ -1,7 +1,7 @@
 """A real pretrained model end to end, as a user runs it: SmolLM2-135M-Instruct's GGUF file as
 `rlpipe model import` puts it into models/ (the session's import, copied there), `rlpipe run smol
---local iterations=2` (smaller batches and
-held-out set than the preset's, for time), then `rlpipe inspect --decode` of its rollouts.
+--local iterations=2` (smaller batches and held-out set than the preset's, for time), then
+`rlpipe inspect --decode` of its rollouts.
 
 What is checked: the rollouts' prompt ids are the chat template's rendering of each question, token
 by token; a response that stopped ends with the model's own end-of-turn token; every reward is the
