@@ -94,6 +94,31 @@ def smollm2_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo_setup(tmp_path_factory):
+    """`demo_setup(run_dir)`: the demo preset's set-up (its task data, base model, 800-step SFT warm
+    start and first evaluation) copied into `run_dir`, made once for the session (~90 s, most of it
+    the SFT). The demo, demo_lora and demo_trpo presets share that set-up, so their runs in
+    `run_dir` find those stages done: a cache key leaves out where an artifact lies. The run's name
+    is part of the SFT's config (a column of its metrics), so `run_dir` must be named `demo`."""
+    import shutil
+
+    from rlpipe.pipelines.preset import load_preset
+    from rlpipe.pipelines.runner import Pipeline
+    from rlpipe.schemas.runs import INITIAL_EVAL_DIR
+
+    done = tmp_path_factory.mktemp("demo_setup") / "demo"
+    Pipeline(load_preset("demo", ["iterations=1", "eval_every=0"]), done, log=lambda s: None).run()
+
+    def into(run_dir):
+        assert run_dir.name == done.name, f"a run sharing the demo's set-up is named {done.name!r}"
+        for name in ("data", "models", INITIAL_EVAL_DIR):
+            shutil.copytree(done / name, run_dir / name)
+        return run_dir
+
+    return into
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     from rlpipe.stages.common.tiny import train_tokenizer
 

@@ -9,9 +9,9 @@ from rlpipe.pipelines.runner import Pipeline
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_shortened_demo_reward_and_heldout_accuracy_rise(tmp_path):
+def test_shortened_demo_reward_and_heldout_accuracy_rise(tmp_path, demo_setup):
     preset = load_preset("demo", ["iterations=12", "eval_every=0"])
-    run_dir = tmp_path / "demo"
+    run_dir = demo_setup(tmp_path / "demo")  # (the demo's set-up, made once for the session)
     records = Pipeline(preset, run_dir, log=lambda s: None).run()
 
     before = eval_metrics(run_dir / "eval_0000")["accuracy"]

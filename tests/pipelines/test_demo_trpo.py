@@ -11,11 +11,11 @@ from rlpipe.schemas import read_table_artifact
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_shortened_trpo_demo_heldout_accuracy_rises(tmp_path):
+def test_shortened_trpo_demo_heldout_accuracy_rises(tmp_path, demo_setup):
     iterations = 8
     preset = load_preset("demo_trpo", [f"iterations={iterations}", "eval_every=0"])
     max_kl = preset.optimize["loss"]["max_kl"]
-    run_dir = tmp_path / "demo_trpo"
+    run_dir = demo_setup(tmp_path / "demo")  # (the demo's set-up, made once for the session)
     Pipeline(preset, run_dir, log=lambda s: None).run()
 
     before = eval_metrics(run_dir / "eval_0000")["accuracy"]

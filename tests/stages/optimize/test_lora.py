@@ -213,7 +213,7 @@ def test_lora_config_is_checked(tmp_path, artifacts, tiny_policy_dir, make_confi
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_lora_demo_learns(tmp_path):
+def test_lora_demo_learns(tmp_path, demo_setup):
     """The demo_lora preset, shortened: held-out greedy accuracy and reward rise with adapters only."""
     from rlpipe.pipelines.layout import RunLayout
     from rlpipe.pipelines.plan import Plan
@@ -224,7 +224,7 @@ def test_lora_demo_learns(tmp_path):
 
     preset = load_preset("demo_lora", ["iterations=12", "eval_every=0"])
     assert Plan(preset, RunLayout(tmp_path / "x")).iteration(0)[-1].config.lora.r == 8
-    run_dir = tmp_path / "demo_lora"
+    run_dir = demo_setup(tmp_path / "demo")  # (the demo's set-up, made once for the session)
     records = Pipeline(preset, run_dir, log=lambda s: None).run()
 
     before = eval_metrics(run_dir / "eval_0000")["accuracy"]
