@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
@@ -171,6 +172,17 @@ KEEP_EVERYTHING = {"train_states": None, "checkpoints_every": 1}
 def pytest_configure(config):
     config.addinivalue_line("markers", "keep_everything: the mini_preset_file fixture's run deletes nothing "
                                        "(conftest.KEEP_EVERYTHING)")
+
+
+@pytest.fixture(autouse=True)
+def _no_child_process_outlives_its_test():
+    """Kill what a test started with multiprocessing and left running (a test that failed before
+    joining its members): at exit, Python joins every such child, and a child blocked on a full
+    result queue would hang the suite after its last test, where no test timeout reaches."""
+    yield
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(10)
 
 
 @pytest.fixture

@@ -105,8 +105,16 @@ def _shared_files() -> set[Path]:
 
 @pytest.mark.slow  # (three processes importing torch)
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "broadcast"])
-def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, caplog):
+def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="rlpipe")
+    written = []  # the inode of each shared-memory file as written: the members unlink it once mapped
+
+    def write(*args, **kwargs):
+        path = real_write(*args, **kwargs)
+        written.append(None if path is None else path.stat().st_ino)
+        return path
+    real_write = shared_weights.write
+    monkeypatch.setattr(shared_weights, "write", write)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     members = [_start(ctx, tmp_path, "rollout-a", m, ["policy_1", "policy_2"], results) for m in range(2)]
@@ -125,7 +133,7 @@ def test_members_receive_each_checkpoint_bit_for_bit(tmp_path, shared_memory, ca
             spares = [(p, p.stat().st_ino) for p in _shared_files()]
         assert sender.send(tmp_path / f"policy_{k}", manifest, files, "rollout-a")
         if k == 2 and shared_memory:  # the second went through the spare, written in place
-            assert len(spares) == 1 and sender.shared_files[0].stat().st_ino == spares[0][1]
+            assert len(spares) == 1 and written[-1] == spares[0][1]
         sent[f"policy_{k}"] = (tensors, manifest.content_hash)
         got = sorted(results.get(timeout=TIMEOUT_S) for _ in range(2))
         for member, (m, policy, delivery) in enumerate(got):
