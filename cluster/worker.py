@@ -78,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--member", type=int, help="this worker's index (default: the launch's rank)")
     p.add_argument("--members", type=int, help="the group's size (default: the launch's world size)")
     a = p.parse_args(argv)
+    from rlpipe.stages.common.allocator import keep_freed_memory
     from rlpipe.stages.common.background import allow_background
     from rlpipe.stages.common.cli import own_cache_dirs
     from rlpipe.stages.common.models import keep_saved_checkpoints
@@ -85,13 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_cache_dirs()
     keep_saved_checkpoints(False)  # this process serves one stage: no later stage reads its checkpoints
     allow_background()  # a train state is written while the run goes on; waited for at the next order, or the stop
+    malloc = keep_freed_memory()  # (each order would otherwise fault in its step's memory afresh)
     group = GroupDir(a.group.absolute())
     member, members = identity(a.member, a.members)
     stage = group.info["stage"]
     # every member, a rank of one job too, writes its orders' output to a log of its own
     configure_logging(all_ranks=True)
     group.member_started(member, {**this_process(), "time": time.time()})
-    _log.info(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} on host {socket.gethostname()} serving {group.path}")
+    _log.info(f"[rlpipe worker {stage}.{member}] pid {os.getpid()} on host {socket.gethostname()} serving {group.path}; "
+              f"malloc {malloc}")
     threading.Thread(target=_watchdog, args=(group, member), daemon=True, name="rlpipe-watchdog").start()
     try:
         with exit_on_signals(f"worker {stage}.{member}"):
