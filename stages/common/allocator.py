@@ -19,7 +19,6 @@ nothing is done off glibc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -32,7 +31,8 @@ MMAP_BYTES = 32 << 20
 
 _M_TRIM_THRESHOLD = -1  # (malloc.h)
 _M_MMAP_THRESHOLD = -3
-_USER_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+#: The environment's say over malloc: any of these set, and the user's choice stands.
+USER_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
@@ -40,10 +40,10 @@ def keep_freed_memory() -> str:
     """Apply the settings above to this process's glibc malloc; returns what was done, for the log."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "left as it is (not glibc)"
-    user = [k for k in _USER_KNOBS if os.environ.get(k)]
+    user = [k for k in USER_KNOBS if os.environ.get(k)]
     if user:
         return f"left as the environment sets it ({', '.join(user)})"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(None)  # (this process's own symbols, glibc's mallopt among them: no library search)
     if not (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES)):
         return "left as it is (mallopt refused the settings)"
     return f"keeps up to {TRIM_BYTES >> 20} MiB freed for the next order (blocks up to {MMAP_BYTES >> 20} MiB from the heap)"

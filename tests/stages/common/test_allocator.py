@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from rlpipe.stages.common.allocator import USER_KNOBS
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 
 # Six orders, each allocating and freeing 33 MB in 65 blocks below glibc's mmap threshold (heap
@@ -33,8 +35,7 @@ PAGES = 33 * (1 << 20) // 4096  # one order's blocks, in 4 KiB pages
 
 
 def _orders(**env: str) -> tuple[str, list[int]]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",
-                                                                                                "LD_PRELOAD")}
+    clean = {k: v for k, v in os.environ.items() if k not in USER_KNOBS}
     out = subprocess.run([sys.executable, "-c", ORDERS], env=clean | env, capture_output=True, text=True, check=True)
     said, faults = json.loads(out.stdout.strip().splitlines()[-1])
     return said, faults
