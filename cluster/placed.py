@@ -22,6 +22,7 @@ from rlpipe.cluster.workorders import GroupDir
 from rlpipe.schemas import ArtifactError, Manifest
 from rlpipe.schemas.reading import recorded_manifest
 from rlpipe.schemas.runs import iteration_index
+from rlpipe.schemas.writer import forget_finished_workers
 from rlpipe.stages import StageCall, get_stage
 
 #: The module every member of a resident group runs.
@@ -42,6 +43,9 @@ class PlacedLauncher:
             return run_in_process(call, force=force)
         logs = log_dir(call)
         logs.mkdir(parents=True, exist_ok=True)
+        if get_stage(call.name).scaling == "shards":  # every worker runs: only their markers count
+            for path in call.config.outputs().values():
+                forget_finished_workers(path)
         if self.launch.resident and iteration_index(logs.name) is not None:
             self.groups.make_room(self.launch.make_room_for(call.name), logs)  # (GPUs shared with a trainer)
             return completed(call, self.groups.run(call, placement, force, logs))

@@ -47,8 +47,11 @@ from rlpipe.schemas.shards import (
     resolve_schema,
     shard_name,
 )
-from rlpipe.schemas.staging import open_staging, swap_into_place
+from rlpipe.schemas.staging import open_staging, staging_path, swap_into_place
 from rlpipe.schemas.table_memory import TABLES
+
+#: The done markers of the workers sharing an artifact (`ArtifactWriter.finish_worker`).
+_MARKERS = ".worker-*.done"
 
 
 def conform(table: pa.Table | Mapping[str, Any], schema: pa.Schema, where: str) -> pa.Table:
@@ -151,7 +154,7 @@ class ArtifactWriter:
         """Write the manifest (last), listing every shard in the staging directory, and swap the
         staging directory into place (sub-directories of the old `path` are kept: nested
         artifacts a stage wrote inside its output before committing it)."""
-        for marker in self.staging.glob(".worker-*.done"):
+        for marker in self.staging.glob(_MARKERS):
             marker.unlink(missing_ok=True)
         files = []
         for shard in sorted(self.staging.glob(SHARD_GLOB)):
@@ -191,13 +194,17 @@ class ArtifactWriter:
     # (for this cache key) and every expected shard writes the manifest and swaps the staging
     # directory in. The lock makes that exactly one worker.
     def _marker(self, index: int, count: int) -> Path:
-        return self.staging / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"
+        return self.staging / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"  # (_MARKERS)
 
     def prepare_worker(self, index: int, count: int, others: Iterable[str]) -> None:
         """Before worker `index` of `count` writes: remove its old marker and every shard except
         `others` (the shards the other workers write), so all that is present at commit time
-        was written for these inputs."""
-        self._marker(index, count).unlink(missing_ok=True)
+        was written for these inputs. Under the commit lock: a sibling that finished meanwhile
+        and committed (on an earlier run's marker of this worker) swapped the staging directory
+        away, so it is made again."""
+        with _commit_lock(self.path):
+            self.staging.mkdir(parents=True, exist_ok=True)
+            self._marker(index, count).unlink(missing_ok=True)
         keep = set(others)
         for p in self.staging.glob(SHARD_GLOB):
             if p.name not in keep:
@@ -217,6 +224,17 @@ class ArtifactWriter:
         files = sorted(self._written.values(), key=lambda f: f.name)
         partial = {**(extra or {}), "partial": True, "worker_index": index, "worker_count": count}
         return self._manifest(files, partial, wall_time_s)
+
+
+def forget_finished_workers(path: Path | str) -> None:
+    """Remove the done markers earlier runs' workers left beside the shards of `path` (in its
+    shared staging directory). A launch that starts every worker of a group calls this first, so
+    that only its own workers' markers count: otherwise the first of them to finish could commit
+    on a sibling's marker from an attempt that failed, and swap the staging directory away while
+    that sibling, started but slower, still writes into it. (Workers run one at a time by hand
+    keep their siblings' markers: that is how a group finishes across separate runs.)"""
+    for marker in staging_path(path, shared=True).glob(_MARKERS):
+        marker.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -119,10 +119,16 @@ def test_a_failed_launched_stage_reports_its_exit_code_and_log(tmp_path, residen
     call = _call(tmp_path, "rollout")
     call.config_file.parent.mkdir(parents=True)
     call.config_file.write_text("group_size: -1\n")  # the stage's own config check fails: exit 2
+    # an earlier attempt's worker marked itself done: a launch of every worker forgets it first
+    # (tests/schemas/test_manifest.py::test_a_launch_counts_only_its_own_workers_markers)
+    earlier = tmp_path / ".o.staging" / f".worker-1-of-2.{'k' * 16}.done"
+    earlier.parent.mkdir()
+    earlier.touch()
     launcher = ProcessLauncher(Launch(launcher="processes", resident=resident,
                                       stages={"rollout": StagePlacement(workers=2)}))
     with pytest.raises(StageLaunchError, match="stage rollout failed \\(exit code 2\\)") as e:
         launcher(call)
+    assert not earlier.exists() and earlier.parent.is_dir()
     assert launcher.groups.groups == {} and launcher.groups.started == ({"rollout": 1} if resident else {})
     log = tmp_path / "runs" / "r" / "logs" / "iter_0003" / "rollout.0.log"
     assert e.value.exit_code == 2 and e.value.log in (log, log.with_name("rollout.1.log"))

@@ -4,6 +4,7 @@ import json
 import re
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,41 @@ def test_worker_protocol_commits_once_every_worker_is_done(tmp_path):
     assert final.shard_names == names and final.content_hash == single.content_hash
     assert sorted(p.name for p in shared.iterdir()) == sorted([*names, MANIFEST_NAME])  # markers gone
     assert not staging.exists()
+
+
+def test_a_launch_counts_only_its_own_workers_markers(tmp_path):
+    """A worker of an attempt that failed left its done marker. Run by hand, one at a time, its
+    sibling later commits on that marker (how a group finishes across runs); a launch of the whole
+    group forgets it first, so that its first worker to finish does not commit and swap the
+    staging directory away while the other, started but slower, still writes into it (a CI failure
+    of tests/cluster/test_resident.py: 'cannot write the shard ... No such file or directory')."""
+    from rlpipe.schemas import ROLLOUTS, ArtifactWriter, exists, shard_name
+    from rlpipe.schemas.writer import forget_finished_workers
+
+    parts = [example_table(ROLLOUTS, 4, seed=i) for i in range(2)]
+    names = [shard_name(0), shard_name(1)]
+    single = ArtifactWriter(tmp_path / "one", ROLLOUTS, stage="rollout")
+    for k, part in enumerate(parts):
+        single.write_shard(part, index=k)
+    expected = single.commit().content_hash
+
+    def writer(shared: Path) -> ArtifactWriter:
+        return ArtifactWriter(shared, ROLLOUTS, stage="rollout", cache_key="k" * 64, clean=False)
+
+    def work(w: ArtifactWriter, i: int):
+        w.prepare_worker(i, 2, others=[names[1 - i]])
+        w.write_shard(parts[i], index=i)
+        return w.finish_worker(i, 2, expected=names, commit=w.commit)
+
+    for launched in (False, True):
+        shared = tmp_path / f"launched-{launched}"
+        assert work(writer(shared), 1).extra["partial"]  # the failed attempt: worker 1 was done
+        if launched:
+            forget_finished_workers(shared)
+        late, early = writer(shared), writer(shared)  # both started; worker 0 finishes first
+        work(early, 0)
+        assert exists(shared) != launched  # by hand: committed on the earlier marker
+        # the late worker writes whether or not its staging directory was swapped in meanwhile
+        manifest = work(late, 1)
+        assert read_manifest(shared).content_hash == expected
+        assert manifest.extra.get("partial", False) != launched
