@@ -164,9 +164,11 @@ def _commit(writer: ArtifactWriter, config: ScoreConfig, names: list[str], start
     total_rows = 0
     for n in names:
         path = writer.staging / n
-        if pq.ParquetFile(path).metadata.num_rows != in_rows[n]:
+        info = writer.written(n)  # (a shard this process wrote: its rows known, its table in memory)
+        rows = info.rows if info is not None else pq.ParquetFile(path).metadata.num_rows
+        if rows != in_rows[n]:
             raise ArtifactError(f"{path}: row count differs from {config.rollouts / n}; rerun the stage")
-        t = read_shard(path, SCORES, columns=["reward", *(f"reward__{c.name}" for c in config.components)])
+        t = read_shard(path, SCORES, columns=["reward", *(f"reward__{c.name}" for c in config.components)], info=info)
         total_rows += t.num_rows
         for col in t.column_names:  # (a row a TRL-style component left out, NaN, is not in its mean)
             values = t.column(col).to_numpy().astype(np.float64)
