@@ -194,7 +194,7 @@ class ArtifactWriter:
     # (for this cache key) and every expected shard writes the manifest and swaps the staging
     # directory in. The lock makes that exactly one worker.
     def _marker(self, index: int, count: int) -> Path:
-        return self.staging / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"  # (_MARKERS)
+        return self.staging / f".worker-{index}-of-{count}.{(self.cache_key or 'nokey')[:16]}.done"  # (matches _MARKERS)
 
     def prepare_worker(self, index: int, count: int, others: Iterable[str]) -> None:
         """Before worker `index` of `count` writes: remove its old marker and every shard except

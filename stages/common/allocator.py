@@ -33,7 +33,7 @@ _M_TRIM_THRESHOLD = -1  # (malloc.h)
 _M_MMAP_THRESHOLD = -3
 #: The environment's say over malloc: any of these set, and the user's choice stands.
 USER_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-               "GLIBC_TUNABLES", "LD_PRELOAD")
+              "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def keep_freed_memory() -> str:
