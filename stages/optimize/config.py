@@ -263,7 +263,8 @@ class OptimizeConfig(StageConfig):
     packing: Annotated[bool, Runtime()] = True
     """Padding-free forward and backward passes: a micro-batch's sequences back to back in one row,
     attention confined to each (forward.py), on the architectures where transformers supports it
-    (forward.PACKED_MODEL_TYPES; others pad). The same log-probs as padded rows up to float rounding.
+    (forward.PACKED_MODEL_TYPES; others pad), when the batch's sequences differ in length (one
+    length: padded, a plain causal mask). The same log-probs as padded rows up to float rounding.
     Not part of the cache key."""
     logprob_chunk_tokens: int | None = Field(LOGPROB_CHUNK_TOKENS, ge=1)
     """Response tokens whose vocabulary-sized logits exist at once (log-probs and entropy): the LM

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rlpipe.schemas.errors import UserError
-from rlpipe.stages.common.forward import pack, packs
+from rlpipe.stages.common.forward import pack, packing_shortens, packs
 from rlpipe.stages.common.progress import progress
 from rlpipe.stages.optimize.config import OptimizeConfig, TRPOLoss
 from rlpipe.stages.optimize.core import (
@@ -110,7 +110,7 @@ def train(E: Any, config: OptimizeConfig, work: Work, engines: Engines, pad_id: 
         # The reference of a LoRA run is its base: the same model with the adapters off (no copy).
         with adapters_disabled(pol):
             ref = _recompute_old_logprobs(E, pol, batch, work.schedules[0], pad_id, world_size,
-                                          config.logprob_chunk_tokens, config.packing and packs(pol))
+                                          config.logprob_chunk_tokens, _packing(config, batch, pol))
         batch.ref_logp = [ref[i] for i in range(len(batch))]
     # The stage's torch RNG is the train state's (seeded on a fresh start), forked so that the
     # stages around it in one process see the global RNG as if optimize had not run.
@@ -139,7 +139,7 @@ def _optimize(E: Any, config: OptimizeConfig, batch: Batch, schedules: list, pol
     else:
         first = 1 if config.old_logprobs_forward == "training" else 0
         old_logp = _recompute_old_logprobs(E, pol, batch, schedules[0][first:], pad_id, world_size,
-                                           config.logprob_chunk_tokens, config.packing and packs(pol))
+                                           config.logprob_chunk_tokens, _packing(config, batch, pol))
     timing["old_logprobs_s"] = time.perf_counter() - mark
 
     obj = PolicyObjective(loss=config.loss, agg_mode=config.agg_mode, kl_estimator=config.kl_estimator,
@@ -183,6 +183,14 @@ def _recompute_old_logprobs(E: Any, engine: Any, batch: Batch, steps: list, pad_
     return E.gather_rows(local, world_size)
 
 
+def _packing(config: OptimizeConfig, batch: Batch, *models: Any) -> bool:
+    """Whether the batch's passes are packed: `config.packing`, every model takes it, and it
+    shortens the batch (decided for the whole batch: the layout of a row never depends on how the
+    step is split into ranks and micro-batches)."""
+    return (config.packing and all(packs(m) for m in models if m is not None)
+            and packing_shortens([len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]))
+
+
 def _pack(E: Any, batch: Batch, rows: np.ndarray, pad_id: int, packed: bool):
     return pack([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows], pad_id,
                 sampled=batch.sampled_rows(rows), packed=packed).to(E.device())
@@ -208,7 +216,7 @@ def _train_step(E: Any, pol: Any, crit: Any, batch: Batch, micro_batches: list[n
     # TRPO (trpo_step.py) takes the policy step itself after the micro-batches: no AdamW step
     trpo = TRPOStep(pol, config.loss, n_tok) if isinstance(config.loss, TRPOLoss) else None
     off_policy = config.tis_cap is not None or config.mismatch_mask is not None
-    packing = config.packing and packs(pol) and (crit is None or packs(crit))
+    packing = _packing(config, batch, pol, crit)
     for j, rows in enumerate(micro_batches):
         if config.max_tokens_per_micro_batch:  # (a step's micro-batches vary in number: its last is the boundary)
             for engine in (pol, crit):

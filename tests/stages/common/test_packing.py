@@ -81,6 +81,21 @@ def test_values_of_a_scalar_head_packed_equal_padded(packing_model):
     assert (values[0] - values[1]).abs().max().item() <= TOL
 
 
+def test_packing_is_for_batches_it_shortens(tiny_policy_dir):
+    """Sequences of one length are padded (packing leaves no fewer positions); one shorter and
+    the whole pass packs, each of its forward batches (even one whose sequences are one length)."""
+    from rlpipe.stages.common.forward import batched_packs, packing_shortens
+    from rlpipe.stages.common.tiny import load_checkpoint
+
+    assert not packing_shortens([5, 5, 5]) and packing_shortens([5, 4, 5]) and not packing_shortens([])
+    model = load_checkpoint(tiny_policy_dir)[0]
+    even = list(batched_packs(model, [[5, 6], [7, 8, 9]], [[20, 21, 22], [23, 24]], 0, batch_size=2))
+    assert [b.attention_mask is None for b in even] == [False]
+    uneven = list(batched_packs(model, [[5, 6], [7, 8, 9], [3]], [[20, 21, 22], [23, 24], [25]], 0, batch_size=2))
+    assert [b.attention_mask is None for b in uneven] == [True, True]
+    assert uneven[0].input_ids.tolist() == [[5, 6, 20, 21, 22], [7, 8, 9, 23, 24]]
+
+
 def test_packed_architectures_are_the_tested_ones():
     assert PACKED_MODEL_TYPES <= set(ARCHITECTURES)  # (each checked by the tests above)
 
