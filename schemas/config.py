@@ -8,6 +8,7 @@ Field docs are attribute docstrings (shown by `--help` and recorded in the schem
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,7 +61,10 @@ class Assigned:
     the preset."""
 
 
+@functools.cache
 def _marked(cls: type[BaseModel], marker: type) -> dict[str, Any]:
+    """Field name -> its `marker` annotation, for the fields of `cls` that carry one (a class's
+    fields are fixed once it is made: found once per class; the dict is shared, not to be changed)."""
     return {name: m for name, info in cls.model_fields.items() for m in info.metadata if isinstance(m, marker)}
 
 

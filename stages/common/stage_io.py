@@ -18,6 +18,7 @@ the inputs' content hashes, so a moved or copied run directory reruns as cache h
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from rlpipe.schemas.atomic import content_sha256
 from rlpipe.schemas.config import StageConfig
 from rlpipe.schemas.errors import UserError
 from rlpipe.schemas.inputs import input_problem
+from rlpipe.schemas.manifest import MANIFEST_NAME
 from rlpipe.schemas.reading import recorded_manifest
 from rlpipe.stages.common.model_loading import loading
 
@@ -70,16 +72,43 @@ def input_refs(config: StageConfig) -> dict[str, InputRef]:
         if decided is not None:
             refs[name] = decided.as_input(path)
             continue
+        if kind == "checkpoint" and (known := _CHECKED.get(_checkpoint_state(path))) is not None:
+            refs[name] = InputRef(path=str(path), content_hash=known)
+            continue
         problem = input_problem(path, kind)
         if problem:
             raise UserError(f"{name}: {problem}")
         if kind == "checkpoint":
             refs[name] = InputRef(path=str(path), content_hash=checkpoint_key(path))
+            if (state := _checkpoint_state(path)) is not None:
+                _CHECKED[state] = refs[name].content_hash
+                while len(_CHECKED) > _CHECKED_KEPT:
+                    del _CHECKED[next(iter(_CHECKED))]
         elif kind == "file":
             refs[name] = InputRef(path=str(path), content_hash=content_sha256(path))
         else:
             refs[name] = read_manifest(path).as_input(path)
     return refs
+
+
+#: The content hash of each checkpoint with a manifest this process checked (`input_problem`), by its
+#: state (`_checkpoint_state`): an optimize run's inputs name every policy since the last train
+#: state (`replay`), each checked once rather than on every run (~0.5 ms each).
+_CHECKED: dict[tuple, str] = {}
+_CHECKED_KEPT = 256
+
+
+def _checkpoint_state(path: Any) -> tuple | None:
+    """A checkpoint folder's state as far as its check goes: its manifest's (inode, size, mtime)
+    and the folder's mtime (a file added, removed or renamed in it); None without a manifest (a
+    Hugging Face folder: checked every time). File times tick with the kernel's coarse clock (up
+    to 10 ms): a change within the tick of the last check goes unseen here, not when the files are
+    read (the manifest names every file's hash, which every read verifies)."""
+    try:
+        manifest, folder = os.stat(os.path.join(path, MANIFEST_NAME)), os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), manifest.st_ino, manifest.st_size, manifest.st_mtime_ns, folder.st_mtime_ns)
 
 
 def begin(stage: str, config: StageConfig, *, force: bool = False,
