@@ -57,6 +57,11 @@ class Batch:
         rows = range(len(self)) if rows is None else rows
         return np.array([len(self.response_ids[i]) for i in rows], dtype=np.int64)
 
+    def sequence_lengths(self) -> np.ndarray:
+        """Tokens per row, prompt and response: what a forward pass takes."""
+        return np.array([len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True)],
+                        dtype=np.int64)
+
     def sampled_lengths(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Tokens per response the model sampled: those the loss counts."""
         return self.sampled_counts if rows is None else self.sampled_counts[np.asarray(rows, dtype=np.int64)]

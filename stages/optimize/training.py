@@ -79,8 +79,7 @@ def prepare(config: OptimizeConfig, d: Any) -> Work:
     # iteration, 2 prompts x 2 samples, under the default of 8).
     micro = min(config.micro_batch_size, max(minibatch // d.world_size, 1))
     by_tokens = config.max_tokens_per_micro_batch
-    lengths = (np.array([len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)])
-               if config.group_by_length or by_tokens else None)
+    lengths = batch.sequence_lengths() if config.group_by_length or by_tokens else None
     try:
         schedules = [step_slices(epoch_order(n, config.seed, e, config.shuffle), minibatch, d.world_size, d.rank,
                                  micro, lengths, by_tokens) for e in range(config.epochs)]
@@ -188,7 +187,7 @@ def _packing(config: OptimizeConfig, batch: Batch, *models: Any) -> bool:
     shortens the batch (decided for the whole batch: the layout of a row never depends on how the
     step is split into ranks and micro-batches)."""
     return (config.packing and all(packs(m) for m in models if m is not None)
-            and packing_shortens([len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]))
+            and packing_shortens(batch.sequence_lengths().tolist()))
 
 
 def _pack(E: Any, batch: Batch, rows: np.ndarray, pad_id: int, packed: bool):
