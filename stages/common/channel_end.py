@@ -48,13 +48,14 @@ class WeightChannel:
     def order_sends_to(self, folder: Path | None, receivers: tuple[int, str] | None, rank: int) -> None:
         """The order about to run sends its new policy to `receivers` (members, group name), whose
         channel address is kept in `folder` (None: it sends nothing). Every rank of the sending
-        job knows it (they take the same path through the save); rank 0 sends."""
+        job knows it (they take the same path through the save) and holds a `Sender`: rank 0
+        sends, and under ZeRO-3 every rank sends its own files (partitioned_handoff.py)."""
         self.sending_to = receivers
-        if rank == 0 and receivers is not None and folder is not None and (
-                self.sender is None or self.sender.receivers != receivers[0]):
+        if receivers is not None and folder is not None and (
+                self.sender is None or self.sender.receivers != receivers[0] or self.sender.rank != rank):
             if self.sender is not None:
                 self.sender.close()
-            self.sender = Sender(folder, receivers[0])
+            self.sender = Sender(folder, receivers[0], rank=rank)
         if self.sender is not None and self.sender.device_buffers:
             # (a previous policy handed over on the GPU that the members have let go of since, as
             # they took a newer one, is freed before this order trains: device_weights.py)
@@ -67,9 +68,9 @@ class WeightChannel:
         return self.sending_to is not None
 
     def send(self, policy: Path, manifest: Manifest, files: Mapping[str, Buffer | Sequence[Buffer]],
-             on_gpu: Mapping[str, WeightFile] | None = None) -> bool:
+             on_gpu: Mapping[str, WeightFile] | None = None, senders: int = 1) -> bool:
         assert self.sender is not None and self.sending_to is not None
-        return self.sender.send(policy, manifest, files, self.sending_to[1], on_gpu)
+        return self.sender.send(policy, manifest, files, self.sending_to[1], on_gpu, senders)
 
     def take(self, checkpoints: list[Path], *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """Before an order: each of `checkpoints` (the order's checkpoint inputs) that was sent

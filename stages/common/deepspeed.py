@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -292,6 +292,40 @@ def gathered_by_module(model: Any, *, keep: bool, writer: int | None = None,
                if name not in state}  # (buffers are not partitioned: rotary frequencies, ...)
     # (built on the CPU: the buffers its constructor computes follow the parameters to `device`)
     return rebuilt(model, {**state, **buffers}).to(device)
+
+
+def gathered_to_owners(model: Any, owners: Mapping[str, int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of ZeRO-3-partitioned `model` (state-dict name -> the rank that keeps it) this
+    rank keeps, on `device`: each parameter's partitions gathered to its owner alone
+    (`_gathered_to`), a parameter at a time in module order, once however many names it has (tied
+    parameters); buffers, not partitioned, copied by their owner. A collective: every rank calls it
+    with the same `owners` (partitioned_handoff.py)."""
+    rank = torch.distributed.get_rank()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    names_of: dict[int, tuple[int, list[str]]] = {}  # id(param) -> (its owner, its names kept)
+    kept: dict[str, torch.Tensor] = {}
+    for name, owner in owners.items():
+        if name in params:
+            names_of.setdefault(id(params[name]), (owner, []))[1].append(name)
+        elif name not in buffers:
+            raise KeyError(f"{name}: neither a parameter nor a buffer of {type(model).__name__}")
+        elif owner == rank:
+            kept[name] = buffers[name].detach().to(device=device, copy=True)
+    deepspeed = import_deepspeed()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in names_of:
+                continue
+            owner, names = names_of.pop(id(p))
+            if _gatherable(p):
+                whole = _gathered_to(p, owner, device)  # (a collective: every rank calls it)
+            else:  # (swapped out to NVMe: DeepSpeed's own gather, to every rank)
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    whole = p.detach().to(device=device, copy=True) if owner == rank else None
+            if owner == rank:
+                kept.update({name: whole for name in names})
+    return kept
 
 
 def _gatherable(param: torch.nn.Parameter) -> bool:

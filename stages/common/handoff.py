@@ -253,6 +253,11 @@ def saved_form(module: Any, tokenizer: Any, max_shard_size: int | str, staging: 
 _FORM: list[SavedForm] = []
 
 
+def last_form() -> SavedForm | None:
+    """The form of the last checkpoint `hand_over` saved through transformers, if it made one."""
+    return _FORM[0] if _FORM else None
+
+
 def hand_over(module: Any, tokenizer: Any, out: Path, *, max_shard_size: int | str,
               manifest_fields: Mapping[str, Any], copy: bool = True, stable: bool = False,
               send: Callable[[Path, Manifest, dict[str, Any], dict[str, Any]], bool] | None = None,

@@ -54,14 +54,16 @@ class Receiver:
                 continue
             joined = address.generation
             try:
-                store = torch.distributed.TCPStore(address.host, address.port, address.receivers + 1,
+                store = torch.distributed.TCPStore(address.host, address.port, address.receivers + address.senders,
                                                    is_master=False, timeout=timedelta(seconds=self.timeout_s))
                 local = shared_weights.sees(address.probe, address.nonce)
                 store.set(f"weights/{joined}/local/{self.member}", "1" if local else "0")
                 self._say_gpus(store, joined, local)
-                prefixed = torch.distributed.PrefixStore(f"weights/{joined}", store)
-                group = weight_channel.new_group(address.backend, prefixed, self.member + 1, address.receivers + 1,
-                                                 self.timeout_s)
+                # one group per sender (sender r, then the members): each sends its own files
+                groups = [weight_channel.new_group(address.backend,
+                                                   torch.distributed.PrefixStore(f"weights/{joined}/from/{r}", store),
+                                                   self.member + 1, address.receivers + 1, self.timeout_s)
+                          for r in range(address.senders)]
             except Exception as e:  # noqa: BLE001 (a generation this member could not join: wait for the next)
                 _log.warning(f"[rlpipe weight channel] member {self.member} could not join generation {joined} "
                              f"({type(e).__name__}); it reads the policy files until the next")
@@ -73,7 +75,7 @@ class Receiver:
                     if header is None:
                         break
                     received += 1
-                    self._receive(group, json.loads(header), store)
+                    self._receive(groups, json.loads(header), store)
                     self._say_gpus(store, joined, local)  # (a member may have started CUDA since)
             except Exception as e:  # noqa: BLE001 (the sender gone, a timeout between sends: wait for a new generation)
                 with self._lock:
@@ -89,19 +91,21 @@ class Receiver:
         gpus = device_weights.visible() if local and torch.cuda.is_initialized() else []
         store.set(f"weights/{generation}/gpus/{self.member}", json.dumps(gpus))
 
-    def _receive(self, group: Any, header: dict[str, Any], store: Any) -> None:
+    def _receive(self, groups: list[Any], header: dict[str, Any], store: Any) -> None:
         policy = Path(header["policy"])
         with self._lock:
             self._receiving = policy
         manifest = Manifest.model_validate_json(header["manifest"])
+        parts = [header, *(json.loads(store.get(key)) for key in header.get("parts", []))]
         try:
-            files = receive_files(group, header)
+            files = receive_files(groups, parts)
         except (OSError, ValueError) as e:  # (a shared file gone or cut, a GPU buffer not opened: this generation goes on)
             files, problem = {}, f"unreadable ({type(e).__name__}: {e})"
         else:
             problem = check_delivery(manifest, files)
-        if header.get("shared") and store.add(header["mapped"], 1) == header["receivers"]:
-            shared_weights.remove(header["shared"])  # (every member has it mapped: the mappings outlive it)
+        for part in parts:
+            if part.get("shared") and store.add(part["mapped"], 1) == header["receivers"]:
+                shared_weights.remove(part["shared"])  # (every member has it mapped: the mappings outlive it)
         with self._lock:
             self._receiving = None
             if problem is None:
@@ -127,23 +131,26 @@ class Receiver:
             return self._deliveries.get(policy)
 
 
-def receive_files(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A member's half of one hand-off: each file the header lists, mapped from the shared-memory
-    file it names, or into a buffer of its size in the sender's broadcasts (`broadcast_plan`), and
-    each weight file handed over on the GPU (`device`), opened there (device_weights.py)."""
-    files = _received_bytes(group, header)
-    files.update({name: device_weights.open_handle(handle) for name, handle in header.get("device", {}).items()})
+def receive_files(groups: list[Any], parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """A member's half of one hand-off: each sender's part (rank 0's, the header, first), from its
+    group: each file the part lists, mapped from the shared-memory file it names, or into a buffer
+    of its size in the sender's broadcasts (`broadcast_plan`), and each weight file handed over on
+    the GPU (`device`), opened there (device_weights.py)."""
+    files: dict[str, torch.Tensor] = {}
+    for group, part in zip(groups, parts, strict=True):
+        files.update(_received_bytes(group, part, parts[0]["bucket"]))
+    files.update({name: device_weights.open_handle(handle) for name, handle in parts[0].get("device", {}).items()})
     return files
 
 
-def _received_bytes(group: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if header.get("shared"):
-        return shared_weights.read(header["shared"], header["files"])
+def _received_bytes(group: Any, part: dict[str, Any], bucket: int) -> dict[str, torch.Tensor]:
+    if part.get("shared"):
+        return shared_weights.read(part["shared"], part["files"])
     files = {}
-    for name, pieces in header["files"]:
+    for name, pieces in part["files"]:
         files[name] = data = torch.empty(sum(pieces), dtype=torch.uint8)
         offset = 0
-        for spans in broadcast_plan(pieces, header["bucket"]):
+        for spans in broadcast_plan(pieces, bucket):
             size = sum(end - begin for _, begin, end in spans)
             weight_channel.broadcast(group, data[offset:offset + size])
             offset += size

@@ -329,7 +329,9 @@ class OptimizeConfig(StageConfig):
     max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
     """Policy and critic checkpoints larger than this are written as several safetensors files
     plus model.safetensors.index.json (Hugging Face's max_shard_size: '5GB', '500MB'); the
-    rollout engines, the reference stage and replay read either layout."""
+    rollout engines, the reference stage and replay read either layout. Under ZeRO-3 with the
+    weight channel each file is gathered, sent and written by one rank (partitioned_handoff.py):
+    a rank holds at least one file's worth, so a smaller size spreads a small model over more ranks."""
     seed: int = 0
     """Seeds shuffling and the critic head's init."""
 

@@ -37,7 +37,6 @@ from rlpipe.schemas.staging import staged_directory
 from rlpipe.schemas.writer import commit_directory
 from rlpipe.stages.common.background import background_allowed, in_background, wait_for_background
 from rlpipe.stages.common.channel_end import CHANNEL
-from rlpipe.stages.common.handoff import hand_over
 from rlpipe.stages.common.model_loading import compute_dtype
 from rlpipe.stages.common.models import keeps_saved_checkpoints, remember
 from rlpipe.stages.common.stage_io import StageStart, opens
@@ -112,28 +111,9 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
             # the next rollout takes the policy from memory (this process's, or the resident
             # rollout members' over the weight channel); its files are written in the background
             # (handoff.py, weight_channel.py)
-            # ZeRO-3 in this process: gathered straight onto the device the next rollout samples
-            # on, and handed over as it is, not gathered into host memory and moved back by the
-            # rollout (at 1B on an H200, ZeRO-3's optimize spent 0.75 s of each iteration outside its
-            # steps; docs/cluster.md#gpu)
-            onto = engine.device if _hands_over() and engine.zero_optimization_stage() == 3 else "cpu"
-            with ds.full_parameters(engine, rank=0, device=onto) as whole:
-                decided = copy = None
-                if rank == 0:
-                    decided, copy = hand_over(
-                        whole, tokenizer, out, max_shard_size=config.max_shard_size, copy=_hands_over(),
-                        disposable=whole is not engine.module,
-                        copy_dtype=compute_dtype(config.dtype),  # (the rollout's, where both follow model.dtype)
-                        # the engine's own tensors (the next run waits for the write), or the copy
-                        # ZeRO-3 gathered module by module (nobody else holds it)
-                        stable=whole is not engine.module or engine.zero_optimization_stage() < 3,
-                        send=CHANNEL.send if sends else None, write_weights=_writes_policy_weights(config),
-                        manifest_fields=dict(
-                            stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
-                            extra={**extra, "written": "background"}, wall_time_s=time.time() - started))
-            handed = _known_on_every_rank(out, decided, rank)
-            if copy is not None:
-                remember(out, kind, copy, tokenizer)
+            handed = _hand_over_policy(ds, config, engine, tokenizer, out, rank, sends, manifest_fields=dict(
+                stage=STAGE, config=resolved, inputs=inputs, cache_key=key,
+                extra={**extra, "written": "background"}, wall_time_s=time.time() - started))
             continue
         with staged_directory(out, write=rank == 0) as staging:  # the old checkpoint stays until complete
             copy = ds.save_pretrained(engine, tokenizer, staging, rank, part=_merged if lora else None,
@@ -161,6 +141,48 @@ def _save(ds: Any, config: OptimizeConfig, start: StageStart, batch: Batch, rows
         else:
             save()
     return policy
+
+
+def _hand_over_policy(ds: Any, config: OptimizeConfig, engine: Any, tokenizer: Any, out: Path, rank: int,
+                      sends: bool, manifest_fields: dict[str, Any]) -> Manifest:
+    """Hand the new policy over in memory (this process's next rollout, or the weight channel's
+    members), its checkpoint written in the background; returns its manifest, on every rank.
+
+    ZeRO-3 on several ranks, sending: each rank gathers, sends and writes its own files
+    (partitioned_handoff.py), by the files' layout learnt from the first save, which gathers the
+    model to rank 0 as a single rank's does. ZeRO-3 in this process: gathered straight onto the
+    device the next rollout samples on, and handed over as it is, not gathered into host memory
+    and moved back by the rollout (at 1B on an H200, ZeRO-3's optimize spent 0.75 s of each
+    iteration outside its steps; docs/cluster.md#gpu)."""
+    from transformers import PreTrainedModel
+
+    from rlpipe.stages.common import handoff, partitioned_handoff
+
+    send = CHANNEL.send if sends else None
+    partitioned = (sends and engine.zero_optimization_stage() == 3 and torch.distributed.get_world_size() > 1
+                   and isinstance(engine.module, PreTrainedModel))
+    plan = partitioned_handoff.plan_for(engine.module, tokenizer, config.max_shard_size) if partitioned else None
+    if plan is not None:
+        return partitioned_handoff.hand_over(engine.module, plan, out, manifest_fields=manifest_fields, send=send,
+                                             write_weights=_writes_policy_weights(config))
+    onto = engine.device if _hands_over() and engine.zero_optimization_stage() == 3 else "cpu"
+    with ds.full_parameters(engine, rank=0, device=onto) as whole:
+        decided = copy = None
+        if rank == 0:
+            decided, copy = handoff.hand_over(
+                whole, tokenizer, out, max_shard_size=config.max_shard_size, copy=_hands_over(),
+                disposable=whole is not engine.module,
+                copy_dtype=compute_dtype(config.dtype),  # (the rollout's, where both follow model.dtype)
+                # the engine's own tensors (the next run waits for the write), or the copy
+                # ZeRO-3 gathered module by module (nobody else holds it)
+                stable=whole is not engine.module or engine.zero_optimization_stage() < 3,
+                send=send, write_weights=_writes_policy_weights(config), manifest_fields=manifest_fields)
+    if partitioned:  # (the files' layout, for every later save)
+        partitioned_handoff.learn_plan(engine.module, tokenizer, config.max_shard_size,
+                                       handoff.last_form() if rank == 0 else None)
+    if copy is not None:
+        remember(out, "causal", copy, tokenizer)
+    return _known_on_every_rank(out, decided, rank)
 
 
 def _known_on_every_rank(out: Path, decided: Manifest | None, rank: int) -> Manifest:

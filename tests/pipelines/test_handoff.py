@@ -44,9 +44,6 @@ def test_rollouts_after_the_in_memory_hand_over_equal_those_read_from_the_file(t
 
     real = handoff.hand_over
     monkeypatch.setattr(handoff, "hand_over", lambda *a, **k: handed.append(str(a[2])) or real(*a, **k))
-    from rlpipe.stages.optimize import run as optimize_run
-
-    monkeypatch.setattr(optimize_run, "hand_over", handoff.hand_over)
     in_memory = _run(tmp_path, "in_memory", keep_saved=True, zero_stage=zero_stage)
     from_files = _run(tmp_path, "from_files", keep_saved=False, zero_stage=zero_stage)
     assert [p.split("/")[-2] for p in handed] == ["iter_0000", "iter_0001", "iter_0002"]  # it was used

@@ -327,3 +327,67 @@ def test_a_member_waits_for_the_next_header_without_a_word(capfd):
     threading.Timer(2.5, lambda: master.set("weights/1/header/1", "{}")).start()
     assert weight_receiver._poll(member, "weights/1/header/1", lambda: False) == "{}"
     assert "waitForInput" not in capfd.readouterr().err
+
+
+def _two_files(seed: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, bytes], Manifest]:
+    """A checkpoint of two weight files (a small one, then 16 MB) and a config, as ZeRO-3's two
+    ranks share it out: rank 0 sends the first and the config, rank 1 the second."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"model-00001-of-00002.safetensors": {"norm.weight": torch.randn(300, 64, generator=g)},
+               "model-00002-of-00002.safetensors": {"embed.weight": torch.randn(64 << 10, 64, generator=g)}}
+    files = {**{name: save(t) for name, t in tensors.items()}, "config.json": b'{"model_type": "llama"}'}
+    infos = sorted((FileInfo.of(n, len(d), digest_bytes(d)) for n, d in files.items()), key=lambda f: f.name)
+    return tensors, files, Manifest(kind="checkpoint", files=infos, content_hash=content_hash(infos), stage="optimize")
+
+
+def _sender(folder: str, rank: int, port: int, results) -> None:
+    """An optimize rank of a 2-rank ZeRO-3 job in its own process: sends its part of policy_1 to
+    group rollout-a, then of policy_2 to rollout-b; puts (rank, policy, sent)."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sender = Sender(Path(folder), 2, rank=rank, timeout_s=TIMEOUT_S, host="127.0.0.1", bucket_bytes=BUCKET,
+                    shared_memory=False)
+    for k, group in ((1, "rollout-a"), (2, "rollout-b")):
+        _, files, manifest = _two_files(k)
+        mine = (["model-00001-of-00002.safetensors", "config.json"] if rank == 0
+                else ["model-00002-of-00002.safetensors"])
+        sent = sender.send(Path(folder) / f"policy_{k}", manifest, {n: files[n] for n in mine}, group, senders=2)
+        results.put((rank, f"policy_{k}", sent))
+    sender.close()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # (six processes importing torch)
+def test_two_senders_send_their_own_files_and_fail_together(tmp_path):
+    """ZeRO-3's two ranks each send their own files (a group per sender): a member killed during
+    rank 1's part fails the hand-off on both ranks (the members read the file) and only that
+    generation; the next, for the group started anew, delivers both ranks' files bit for bit."""
+    ctx = mp.get_context("spawn")
+    results, sent = ctx.Queue(), ctx.Queue()
+    # (rank 0's part takes 3 broadcasts: the member dies in rank 1's, of 16 MB)
+    dying = _start(ctx, tmp_path, "rollout-a", 1, ["policy_1"], results, die_after_buckets=4)
+    alive = _start(ctx, tmp_path, "rollout-a", 0, ["policy_1"], results)
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    senders = [ctx.Process(target=_sender, args=(str(tmp_path), r, port.getsockname()[1], sent)) for r in range(2)]
+    port.close()
+    for p in senders:
+        p.start()
+    assert sorted(sent.get(timeout=4 * TIMEOUT_S) for _ in range(2)) == [(0, "policy_1", False), (1, "policy_1", False)]
+    dying.join(TIMEOUT_S)
+    assert dying.exitcode == 9
+    _, _, manifest = _two_files(1)
+    (tmp_path / "policy_1").mkdir()  # (the record, written as the members were told to read it)
+    (tmp_path / "policy_1" / "_manifest.json").write_text(manifest.model_dump_json())
+    assert results.get(timeout=TIMEOUT_S) == (0, "policy_1", None)
+    new_group = [_start(ctx, tmp_path, "rollout-b", m, ["policy_2"], results) for m in range(2)]
+    assert sorted(sent.get(timeout=4 * TIMEOUT_S) for _ in range(2)) == [(0, "policy_2", True), (1, "policy_2", True)]
+    tensors, _, manifest = _two_files(2)
+    assert Address.read(tmp_path).senders == 2
+    for _ in range(2):
+        _, policy, (got, small, hash_got) = results.get(timeout=TIMEOUT_S)
+        assert policy == "policy_2" and hash_got == manifest.content_hash
+        assert small == {"config.json": b'{"model_type": "llama"}'}
+        assert got == {name: raw(t) for file in tensors.values() for name, t in file.items()}
+    for p in (alive, *new_group, *senders):
+        p.join(TIMEOUT_S)
+        assert p.exitcode == 0
