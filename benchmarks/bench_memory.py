@@ -182,7 +182,9 @@ def zero3_child(variant: str) -> dict[str, float]:
                             world_size=d.world_size, grad_clip=1.0),
                             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5))
     sizes = [sum(p.ds_numel * p.element_size() for p in m.parameters(recurse=False)) for m in engine.module.modules()]
-    out = Path(tempfile.mkdtemp(prefix="bench_memory_"))
+    shared_out = [tempfile.mkdtemp(prefix="bench_memory_") if d.rank == 0 else None]
+    torch.distributed.broadcast_object_list(shared_out, src=0)  # (one folder: the ranks write into one staging)
+    out = Path(shared_out[0])
     if variant == "shared":  # (the files' layout, learnt from a first save as the hand-over does: not measured)
         with ds.full_parameters(engine, rank=0) as whole:
             if d.rank == 0:

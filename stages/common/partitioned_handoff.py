@@ -43,6 +43,7 @@ import torch
 from rlpipe.schemas import Manifest
 from rlpipe.schemas import pending as pending_artifacts
 from rlpipe.schemas.atomic import TMP_SUFFIX
+from rlpipe.schemas.errors import ArtifactError
 from rlpipe.schemas.manifest import FileInfo
 from rlpipe.schemas.staging import (
     open_staging,
@@ -54,6 +55,8 @@ from rlpipe.schemas.writer import checkpoint_manifest, write_manifest
 from rlpipe.stages.common.background import in_background, wait_for_background
 from rlpipe.stages.common.weight_file import WeightFile
 
+#: Seconds a rank waits for the staging folder rank 0 made to be visible to it.
+STAGING_VISIBLE_S = 60.0
 #: Seconds rank 0's writer waits for another rank's next weight file before it gives up (that
 #: rank failed: the job fails with it, and the policy is rewritten by the rerun).
 FILES_STALL_S = 900.0
@@ -201,6 +204,13 @@ def _agreed(decide: Callable[[], Any], rank: int) -> Any:
 def _write_files(staging: Path, files: dict[str, WeightFile]) -> None:
     """This rank's weight files into `staging`, each complete and synced under its own name (rank
     0's writer waits for exactly that)."""
+    deadline = time.monotonic() + STAGING_VISIBLE_S
+    while files and not staging.is_dir():  # (rank 0 made it; a network file system may show it late)
+        if time.monotonic() > deadline:
+            raise ArtifactError(f"{staging}: optimize rank 0's staging folder is not visible on this rank after "
+                                f"{STAGING_VISIBLE_S:.0f} s; a ZeRO-3 policy is written by every rank, so the run "
+                                "folder must be on a file system every node shares (as the train state's is)")
+        time.sleep(0.1)
     for name in list(files):
         part = staging / f"{name}{TMP_SUFFIX}"
         with open(part, "wb") as f:
