@@ -79,9 +79,10 @@ class FilePlan:
         """Weight file -> the rank that gathers, hashes, sends and writes it: the largest file
         first, each to the rank with the fewest bytes so far (the lowest of equals)."""
         load, owners = [0] * world, {}
-        for size, name in sorted(((-_file_size(h), n) for n, (h, _) in self.weights.items())):
+        sizes = {name: _file_size(header) for name, (header, _) in self.weights.items()}
+        for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
             rank = min(range(world), key=lambda r: (load[r], r))
-            owners[name], load[rank] = rank, load[rank] - size
+            owners[name], load[rank] = rank, load[rank] + sizes[name]
         return owners
 
 

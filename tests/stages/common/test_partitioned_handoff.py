@@ -6,8 +6,9 @@ ranks (torchrun, gloo, a bf16 engine), 2 rollout members receiving over the weig
   model), and both send (the members join a group per sender).
 - What the members receive and what is written are, bit for bit, the checkpoint the whole model
   gathered to rank 0 saves (`deepspeed.save_pretrained`).
-- Rank 0 SIGKILLed after sending and before the manifest (rank 1's files already written): the
-  policy is not there, and the rerun writes every checkpoint with the uninterrupted run's hashes.
+- Rank 0 SIGKILLed after sending and before the manifest (its own files written, rank 1's written
+  or on their way): the policy is not there, and the rerun writes every checkpoint with the
+  uninterrupted run's hashes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SHARD = "40KB"  # (several weight files, so both ranks own some)
 # Runs on each optimize rank: argv = out folder, checkpoint, channel folder, the save to kill rank 0 at
 # (-1: none), the shard size, how the members on this machine take the files, the saves.
 DRIVER = r"""
-import json, os, sys, time
+import json, os, signal, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -69,7 +70,7 @@ for k in range(int(sys.argv[7])):
     engine.backward(engine(input_ids=ids).logits.float().pow(2).mean())
     engine.step()
     if k == kill_at and info.rank == 0:  # killed after sending, rank 1's files written, before the manifest
-        partitioned_handoff._wait_for_files = lambda *a: (time.sleep(1.0), os._exit(9))
+        partitioned_handoff._wait_for_files = lambda *a: (time.sleep(1.0), os.kill(os.getpid(), signal.SIGKILL))
     kept[0] = 0
     manifest = run._hand_over_policy(ds, optimize, engine, tokenizer, out / f"policy_{k}", info.rank, True,
                                      dict(stage="optimize"))
@@ -191,3 +192,23 @@ def test_every_rank_sends_and_writes_its_own_files_bit_for_bit(tmp_path, tiny_to
     for k in range(SAVES):
         first = json.loads((out / f"policy_{k}" / "_manifest.json").read_text())["content_hash"]
         assert json.loads((again / f"policy_{k}" / "_manifest.json").read_text())["content_hash"] == first
+
+
+def test_each_file_goes_to_the_least_loaded_rank_largest_first():
+    from safetensors.torch import save
+
+    from rlpipe.stages.common.partitioned_handoff import FilePlan, _file_size
+
+    def header(elements: int) -> bytes:
+        data = save({"w": torch.zeros(elements)})
+        return data[:8 + int.from_bytes(data[:8], "little")]
+
+    weights = {f"model-{i}.safetensors": (header(n), ["w"]) for i, n in enumerate([20, 50, 10, 40, 30])}
+    assert {name: _file_size(h) for name, (h, _) in weights.items()} == {
+        name: len(save({"w": torch.zeros(n)})) for name, n in zip(weights, [20, 50, 10, 40, 30], strict=True)}
+    plan = FilePlan((), ("", ""), "5GB", {}, weights)
+    # 50 -> 0, 40 -> 1, 30 -> 1 (40 < 50), 20 -> 0 (50 < 70), 10 -> 0 (70 = 70: the lower rank)
+    assert plan.owners(2) == {"model-1.safetensors": 0, "model-3.safetensors": 1, "model-4.safetensors": 1,
+                              "model-0.safetensors": 0, "model-2.safetensors": 0}
+    assert set(plan.owners(8).values()) == {0, 1, 2, 3, 4}  # (more ranks than files: one file each)
+    assert set(plan.owners(1).values()) == {0}
